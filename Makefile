@@ -1,0 +1,61 @@
+# The two set-up commands of the README. Each does all of its own set-up on a fresh machine:
+# a .venv (reusing an installed torch, else torch==2.13.0), build deps, the extension, then runs.
+SHELL := /bin/bash
+PY := .venv/bin/python
+BUILD := build/cmake
+NVCC := $(shell command -v nvcc 2>/dev/null)
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench clean
+
+venv: .venv/.ready
+.venv/.ready:
+	python3 -m venv --system-site-packages .venv
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else $(PIP) torch==2.13.0; fi
+	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow pytest hypothesis
+	touch $@
+
+# Header-only xxHash and GoogleTest come from Debian; installed only when missing.
+sysdeps:
+	@missing=""; \
+	[ -f /usr/include/xxhash.h ] || [ -n "$$SAMCACHE_XXHASH_INCLUDE" ] || missing="$$missing libxxhash-dev"; \
+	[ -f /usr/include/gtest/gtest.h ] || missing="$$missing libgtest-dev"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
+	fi
+
+install: venv sysdeps
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e . \
+	  -Ccmake.define.SAMCACHE_BUILD_TESTS=ON -Cbuild.verbose=false
+
+# Every CUDA source must compile for Hopper even on machines without a GPU.
+cuda-check:
+ifneq ($(NVCC),)
+	@for f in cuda/*.cu; do echo "nvcc -c -arch=sm_90 $$f"; \
+	  $(NVCC) -c -arch=sm_90 -std=c++20 -Icuda -Icpp/include "$$f" -o /dev/null || exit 1; done
+else
+	@echo "nvcc not found: skipping the CUDA compile check"
+endif
+
+ctest: install
+	ctest --test-dir $(BUILD) --output-on-failure -j2
+
+pytest: install
+	$(PY) -m pytest -q tests
+
+test: cuda-check ctest pytest
+
+bench: install
+	$(BUILD)/samcache_bench_core
+	$(PY) bench/bench_batch_api.py
+
+demo: install
+	$(BUILD)/samcache_bench_core --quick
+	$(PY) -m samcache.demo
+
+clean:
+	rm -rf build .venv

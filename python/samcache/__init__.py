@@ -1,0 +1,37 @@
+"""samcache: a memory system that makes multimodal agents fast.
+
+Every image an agent re-sends is recognised by content and its vision-encoder output and KV
+are reused wherever it appears again. This package holds the Python layer; the native core
+is ``samcache._C`` (C++/CUDA) and the kernels are ``torch.ops.samcache.*``.
+"""
+
+import torch  # noqa: F401  # loads libtorch before _C, which links against it
+
+from samcache import _C  # noqa: E402
+from samcache import ops  # noqa: E402  (registers the fake implementations)
+from samcache.block_pool import AppendResult, BlockPool  # noqa: E402
+from samcache.content_index import ContentEntry, ContentIndex, Evicted, PutResult, Tier  # noqa: E402
+from samcache.errors import CacheFull, InvariantViolation, NotFound, OutOfBlocks  # noqa: E402
+from samcache.hashing import ContentHash, ContentKey, Namespace, hash_bytes, hash_image  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AppendResult",
+    "BlockPool",
+    "CacheFull",
+    "ContentEntry",
+    "ContentHash",
+    "ContentIndex",
+    "ContentKey",
+    "Evicted",
+    "InvariantViolation",
+    "Namespace",
+    "NotFound",
+    "OutOfBlocks",
+    "PutResult",
+    "Tier",
+    "hash_bytes",
+    "hash_image",
+    "ops",
+]
