@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
 #include "samcache/errors.h"
 
@@ -95,9 +96,14 @@ void BlockPool::free_sequence(SeqId id) {
   for (auto it = s.table.rbegin(); it != s.table.rend(); ++it) release(*it);
   s.live = false;
   s.generation = s.generation == 0xffffffffu ? 1 : s.generation + 1;
-  std::vector<BlockId>().swap(s.table);
-  std::vector<int32_t>().swap(s.tail);
-  std::vector<ExtraKeySpan>().swap(s.spans);
+  // Keep small buffers for the next sequence in this slot (no malloc per request); give back
+  // the memory of long ones.
+  auto reset = [](auto& v) {
+    if (v.capacity() > 4096) std::decay_t<decltype(v)>().swap(v); else v.clear();
+  };
+  reset(s.table);
+  reset(s.tail);
+  reset(s.spans);
   free_seq_slots_.push_back(static_cast<uint32_t>(static_cast<uint64_t>(id) & 0xffffffffu));
   --live_seqs_;
 }

@@ -1,0 +1,22 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import samcache
+
+# CI runs the "ci" profile (set by .ci/run through make test); both stay within seconds per test.
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("SAMCACHE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available() and samcache._C.with_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of samcache")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
