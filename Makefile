@@ -32,11 +32,20 @@ install: venv sysdeps
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . \
 	  -Ccmake.define.SAMCACHE_BUILD_TESTS=ON -Cbuild.verbose=false
 
-# Every CUDA source must compile for Hopper even on machines without a GPU.
-cuda-check:
+# Every CUDA source must compile for Hopper even on machines without a GPU, and the torch-facing
+# CUDA wrappers must compile against torch's headers (a CPU torch lacks one generated header,
+# cuda_cmake_macros.h, which we stand in for).
+CUDA_STUB := build/cuda-stub
+cuda-check: venv
 ifneq ($(NVCC),)
 	@for f in cuda/*.cu; do echo "nvcc -c -arch=sm_90 $$f"; \
 	  $(NVCC) -c -arch=sm_90 -std=c++20 -Icuda -Icpp/include "$$f" -o /dev/null || exit 1; done
+	@mkdir -p $(CUDA_STUB)/c10/cuda/impl && echo '#pragma once' > $(CUDA_STUB)/c10/cuda/impl/cuda_cmake_macros.h
+	@inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))"); \
+	cuda_inc=$$($(NVCC) --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$$ INCLUDES="\(.*\)" *$$/\1/p'); \
+	for f in cpp/kernels/*_cuda.cpp; do echo "c++ -fsyntax-only $$f"; \
+	  $(CXX) -std=c++20 -fsyntax-only -DSAMCACHE_WITH_CUDA=1 $$inc -idirafter $(CUDA_STUB) $$cuda_inc \
+	    -Icuda -Icpp/include "$$f" || exit 1; done
 else
 	@echo "nvcc not found: skipping the CUDA compile check"
 endif

@@ -2,7 +2,7 @@
 // block is 16-byte aligned (paged caches always are), bytes otherwise.
 #include <cstdint>
 
-#include "launchers.h"
+#include "copy_blocks.cuh"
 
 namespace samcache::cuda {
 

@@ -1,12 +1,12 @@
-// Torch-facing CUDA wrappers: validate, take the current stream, call the raw launchers in
-// cuda/. Compiled only when the CUDA kernels are built.
+// Torch-facing CUDA wrapper of copy_blocks: validate, take the current stream, call the raw
+// launcher in cuda/. Compiled only when the CUDA kernels are built.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "copy_blocks.h"
-#include "launchers.h"  // cuda/: the raw-pointer launchers
+#include "copy_blocks.cuh"  // cuda/: the raw-pointer launcher
 
 namespace samcache::kernels {
 

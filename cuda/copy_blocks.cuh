@@ -1,5 +1,5 @@
-// Raw-pointer launchers of the CUDA kernels in cuda/*.cu (no torch types: each .cu compiles
-// alone with nvcc). The torch-facing wrappers are in cpp/kernels/cuda_launchers.cpp.
+// Raw-pointer launcher of cuda/copy_blocks.cu (no torch types: the .cu compiles alone with
+// nvcc). The torch-facing wrapper is cpp/kernels/copy_blocks_cuda.cpp.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,9 +1,4 @@
-"""Python wrappers of the ``torch.ops.samcache`` kernels, and their fake (meta) implementations
-so the ops trace under ``torch.compile``.
-
-Each op is defined once in ``cpp/bindings/torch_ops.cpp`` with CPU and (when built) CUDA
-implementations; this module documents the contract and checks shapes before dispatch.
-"""
+"""copy_blocks: copy whole KV blocks for the BlockPool's copy-on-write pairs."""
 
 from __future__ import annotations
 
