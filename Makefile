@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: test demo install venv sysdeps cuda-check ctest pytest bench clean
 
 venv: .venv/.ready
-.venv/.ready:
+.venv/.ready: | sysdeps
 	python3 -m venv --system-site-packages .venv
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -17,9 +17,10 @@ venv: .venv/.ready
 	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow pytest hypothesis
 	touch $@
 
-# Header-only xxHash and GoogleTest come from Debian; installed only when missing.
+# A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
 sysdeps:
 	@missing=""; \
+	command -v c++ >/dev/null || missing="$$missing g++"; \
 	[ -f /usr/include/xxhash.h ] || [ -n "$$SAMCACHE_XXHASH_INCLUDE" ] || missing="$$missing libxxhash-dev"; \
 	[ -f /usr/include/gtest/gtest.h ] || missing="$$missing libgtest-dev"; \
 	if [ -n "$$missing" ]; then \
@@ -28,7 +29,7 @@ sysdeps:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
 	fi
 
-install: venv sysdeps
+install: sysdeps venv
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e . \
 	  -Ccmake.define.SAMCACHE_BUILD_TESTS=ON -Cbuild.verbose=false
 

@@ -385,3 +385,27 @@ def test_threads_stress_keeps_invariants():
     assert not errors, errors
     pool.check_invariants()
     assert pool.num_free_blocks() == 256 and pool.stats()["live_sequences"] == 0
+
+
+def test_priority_churn_keeps_the_eviction_heap_bounded():
+    pool = BlockPool(64, 2)
+    for i in range(64):
+        s = pool.new_sequence()
+        pool.append_tokens(s, [i, i])
+        pool.free_sequence(s)
+    blocks = np.arange(64, dtype=np.int32)
+    for i in range(5000):
+        pool.set_block_priority(blocks, i % 2)
+    assert pool.stats()["eviction_heap_nodes"] <= 2 * 64 + 1024 + 64
+    pool.check_invariants()
+    assert pool.evict(64) == 64
+
+
+def test_sequence_ids_stay_positive_and_unique_over_reuse():
+    pool = BlockPool(4, 4)
+    seen = set()
+    for _ in range(1000):
+        s = pool.new_sequence()
+        assert s > 0 and s not in seen
+        seen.add(s)
+        pool.free_sequence(s)

@@ -90,6 +90,7 @@ def test_bad_input():
         (lambda: index.put(raw, 1, 1), TypeError),
         (lambda: index.put(key(2), -1, 1), ValueError),
         (lambda: index.put(key(2), 1, -1), ValueError),
+        (lambda: index.put(key(2), 1, 0), ValueError),  # zero bytes could never be evicted
         (lambda: index.put(key(2), 1, 1, priority=2**31), ValueError),
         (lambda: index.put(key(2), 1, 1, tier=1), TypeError),
         (lambda: index.put(key(2), 1, 101), CacheFull),
@@ -138,7 +139,7 @@ class IndexMachine(RuleBasedStateMachine):
                 if other["pins"] == 0:
                     assert order <= (other["priority"], other["last_use"]), "evicted out of order"
 
-    @rule(i=st.integers(0, 15), size=st.integers(0, 120), priority=st.integers(-2, 2))
+    @rule(i=st.integers(0, 15), size=st.integers(1, 120), priority=st.integers(-2, 2))
     def put(self, i, size, priority):
         pinned = sum(m["size"] for m in self.model.values() if m["pins"])
         try:
@@ -214,7 +215,7 @@ def test_threads_stress_keeps_invariants():
                 op = rng.integers(6)
                 try:
                     if op < 2:
-                        index.put(k, 1, int(rng.integers(512)), priority=int(rng.integers(3)))
+                        index.put(k, 1, 1 + int(rng.integers(512)), priority=int(rng.integers(3)))
                     elif op == 2:
                         index.get(k)
                     elif op == 3:
@@ -237,3 +238,33 @@ def test_threads_stress_keeps_invariants():
     assert not errors, errors
     index.check_invariants()
     assert index.stats()["pinned_bytes"] == 0
+
+
+def test_many_stale_heap_nodes_keep_every_entry_evictable():
+    """Recency updates and pin cycles leave stale heap nodes; rebuilding them must keep every
+    unpinned entry reachable (a regression: entries used after their node was pushed got lost)."""
+    index = ContentIndex(100)
+    for i in range(3):
+        index.put(key(i), i, 30)
+    index.get(key(0))
+    index.get(key(1))
+    for _ in range(1100):
+        with index.pinned(key(2)):
+            pass
+    index.check_invariants()
+    assert index.stats()["eviction_heap_nodes"] <= 2 * 3 + 1024 + 1
+    assert sorted(e.entry.handle for e in index.evict_until(0)) == [0, 1, 2]
+    assert index.used_bytes == 0
+
+
+def test_huge_sizes_do_not_overflow():
+    index = ContentIndex(100)
+    index.put(key(1), 1, 10)
+    index.pin(key(1))
+    with pytest.raises(CacheFull):
+        index.put(key(2), 2, 2**63 - 1)
+    index.unpin(key(1))
+    with pytest.raises(CacheFull):
+        index.put(key(2), 2, 2**63 - 1)
+    assert index.used_bytes == 10 and len(index) == 1
+    index.check_invariants()

@@ -47,6 +47,23 @@ def test_shape_dtype_mode_and_preprocessing_are_part_of_the_hash():
     assert hash_image(arr.astype(">u2")) == hash_image(arr.astype("<u2"))  # values, not byte order
 
 
+def test_exif_orientation_is_applied_for_paths(tmp_path):
+    arr = screenshot(h=4, w=6)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    Image.fromarray(arr).save(tmp_path / "rotated.png", exif=exif)
+    Image.fromarray(arr).save(tmp_path / "plain.png")
+    assert hash_image(tmp_path / "rotated.png") != hash_image(tmp_path / "plain.png")
+    assert hash_image(tmp_path / "plain.png") == hash_image(arr)
+
+
+def test_bool_images_hash_their_values():
+    bits = np.random.default_rng(0).integers(0, 2, (8, 8)).astype(bool)
+    img = Image.fromarray(bits)  # mode "1"
+    assert hash_image(img) == hash_image(bits) == hash_image(np.asarray(img))
+    assert hash_image(bits) != hash_image(bits.astype(np.uint8))
+
+
 def test_palette_images_hash_their_colours():
     idx = np.zeros((4, 4), dtype=np.uint8)
     a = Image.fromarray(idx, mode="P")

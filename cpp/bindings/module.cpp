@@ -184,6 +184,7 @@ PYBIND11_MODULE(_C, m) {
         d["prefix_hit_blocks"] = s.prefix_hit_blocks;
         d["evictions"] = s.evictions;
         d["cow_copies"] = s.cow_copies;
+        d["eviction_heap_nodes"] = s.eviction_heap_nodes;
         return d;
       });
 
@@ -262,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
         d["misses"] = s.misses;
         d["inserts"] = s.inserts;
         d["evictions"] = s.evictions;
+        d["eviction_heap_nodes"] = s.eviction_heap_nodes;
         return d;
       });
 

@@ -3,7 +3,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <unordered_set>
 
 namespace samcache::kernels {
@@ -20,6 +22,15 @@ CopyBlocksPlan plan_copy_blocks(at::TensorList caches, const at::Tensor& block_p
                       first.sizes(), " ", first.scalar_type(), " ", first.device(), ")");
     TORCH_CHECK_VALUE(c.is_contiguous(), "copy_blocks: cache ", i, " must be contiguous");
   }
+  // Caches must not overlap: the copies run in parallel and would race on shared bytes.
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const at::Tensor& c : caches) {
+    const auto begin = reinterpret_cast<uintptr_t>(c.data_ptr());
+    spans.emplace_back(begin, begin + static_cast<uintptr_t>(c.nbytes()));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    TORCH_CHECK_VALUE(spans[i].first >= spans[i - 1].second, "copy_blocks: two caches share memory");
   TORCH_CHECK_VALUE(block_pairs.device().is_cpu(), "copy_blocks: block_pairs must be a CPU tensor (as BlockPool returns it)");
   TORCH_CHECK_VALUE(block_pairs.scalar_type() == at::kInt || block_pairs.scalar_type() == at::kLong,
                     "copy_blocks: block_pairs must be int32 or int64, got ", block_pairs.scalar_type());

@@ -17,11 +17,13 @@ void copy_blocks_cuda(at::TensorList caches, const at::Tensor& block_pairs) {
   const c10::cuda::CUDAGuard guard(caches[0].device());
   // One host->device copy carries the cache base pointers followed by the pairs.
   const int64_t num_caches = static_cast<int64_t>(caches.size());
-  at::Tensor host = at::empty({num_caches + 2 * n}, at::TensorOptions().dtype(at::kLong));
+  // Pinned, so the upload is asynchronous; torch's caching host allocator keeps the buffer
+  // until the copy has run.
+  at::Tensor host = at::empty({num_caches + 2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* h = host.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_caches; ++i) h[i] = reinterpret_cast<int64_t>(caches[i].data_ptr());
   std::copy(plan.pairs.begin(), plan.pairs.end(), h + num_caches);
-  at::Tensor dev = host.to(caches[0].device(), /*non_blocking=*/false);
+  at::Tensor dev = host.to(caches[0].device(), /*non_blocking=*/true);
   const int64_t* d = dev.data_ptr<int64_t>();
   const cudaError_t err = samcache::cuda::copy_blocks(d, static_cast<int>(num_caches), d + num_caches, n,
                                                       plan.block_bytes, c10::cuda::getCurrentCUDAStream());

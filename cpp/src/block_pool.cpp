@@ -95,7 +95,8 @@ void BlockPool::free_sequence(SeqId id) {
   // Tail blocks first: they get the oldest ticks and are evicted before shared prefixes.
   for (auto it = s.table.rbegin(); it != s.table.rend(); ++it) release(*it);
   s.live = false;
-  s.generation = s.generation == 0xffffffffu ? 1 : s.generation + 1;
+  // 31-bit generations keep ids positive; an id is recognised until its slot is reused 2^31 times.
+  s.generation = s.generation == 0x7fffffffu ? 1 : s.generation + 1;
   // Keep small buffers for the next sequence in this slot (no malloc per request); give back
   // the memory of long ones.
   auto reset = [](auto& v) {
@@ -147,8 +148,14 @@ void BlockPool::make_evictable(BlockId b) {
   m.tick = ++clock_;
   ++num_evictable_;
   evictable_.push(m.priority, m.tick, b);
-  evictable_.compact_if_needed(static_cast<size_t>(num_evictable_),
-                               [this](const auto& node) { return heap_node_current(node); });
+  rebuild_heap_if_needed();
+}
+
+void BlockPool::rebuild_heap_if_needed() {
+  evictable_.rebuild_if_needed(static_cast<size_t>(num_evictable_), [this](auto&& push) {
+    for (BlockId b = 0; b < num_blocks_; ++b)
+      if (blocks_[b].state == State::kEvictable) push(blocks_[b].priority, blocks_[b].tick, b);
+  });
 }
 
 bool BlockPool::heap_node_current(const EvictionHeap<BlockId>::Node& node) const {
@@ -402,6 +409,7 @@ void BlockPool::set_priority_locked(const BlockId* ids, size_t n, int32_t priori
     m.priority = priority;
     if (m.state == State::kEvictable) evictable_.push(priority, m.tick, ids[i]);
   }
+  rebuild_heap_if_needed();  // repeated priority changes must not grow the heap without bound
 }
 
 void BlockPool::set_sequence_priority(SeqId id, int32_t priority) {
@@ -422,7 +430,8 @@ BlockPoolStats BlockPool::stats() const {
                         prefix_queries_,
                         prefix_hit_blocks_,
                         evictions_,
-                        cow_copies_};
+                        cow_copies_,
+                        static_cast<int64_t>(evictable_.size())};
 }
 
 // ---- invariants --------------------------------------------------------------------------------

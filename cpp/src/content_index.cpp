@@ -63,9 +63,10 @@ std::optional<ContentEntry> ContentIndex::peek(const Key128& key) const {
 
 void ContentIndex::push_node(const Key128& key, const ContentEntry& e) {
   heap_.push(e.priority, e.last_use, key);
-  heap_.compact_if_needed(table_.size(), [this](const auto& node) {
-    const ContentEntry* x = table_.find(node.id);
-    return x != nullptr && x->pins == 0 && x->priority == node.priority && x->last_use == node.tick;
+  heap_.rebuild_if_needed(table_.size(), [this](auto&& push) {
+    table_.for_each([&](const Key128& k, const ContentEntry& x) {
+      if (x.pins == 0) push(x.priority, x.last_use, k);
+    });
   });
 }
 
@@ -93,15 +94,16 @@ bool ContentIndex::evict_one(std::vector<EvictedEntry>* evicted) {
 
 bool ContentIndex::put(const Key128& key, int64_t handle, int64_t size_bytes, Tier tier, int32_t priority,
                        std::vector<EvictedEntry>* evicted) {
-  if (size_bytes < 0) throw std::invalid_argument("size_bytes must be >= 0, got " + str(size_bytes));
+  // Zero-byte entries would never be evicted by a byte bound, so the index could grow forever.
+  if (size_bytes <= 0) throw std::invalid_argument("size_bytes must be > 0, got " + str(size_bytes));
   if (static_cast<int>(tier) < 0 || static_cast<int>(tier) >= kNumTiers)
     throw std::invalid_argument("tier must be 0 (device), 1 (host) or 2 (disk)");
   std::lock_guard lock(mu_);
   if (table_.find(key) != nullptr) return false;
-  if (pinned_bytes_ + size_bytes > capacity_)
+  if (size_bytes > capacity_ - pinned_bytes_)  // subtraction: no signed overflow for huge sizes
     throw CacheFull("entry of " + str(size_bytes) + " bytes cannot fit: capacity " + str(capacity_) +
                     ", pinned " + str(pinned_bytes_));
-  while (used_ + size_bytes > capacity_)
+  while (size_bytes > capacity_ - used_)
     if (!evict_one(evicted)) throw std::logic_error("content index: unpinned bytes not found in heap");
   ContentEntry e;
   e.handle = handle;
@@ -170,7 +172,7 @@ std::vector<EvictedEntry> ContentIndex::evict_until(int64_t target_bytes) {
 ContentIndexStats ContentIndex::stats() const {
   std::lock_guard lock(mu_);
   return ContentIndexStats{static_cast<int64_t>(table_.size()), used_, pinned_bytes_, capacity_,
-                           hits_, misses_, inserts_, evictions_};
+                           hits_, misses_, inserts_, evictions_, static_cast<int64_t>(heap_.size())};
 }
 
 void ContentIndex::check_invariants() const {

@@ -76,7 +76,7 @@ TEST(ContentIndex, ConcurrentStressKeepsInvariants) {
       Key128 key = k(rng() % 2000);
       try {
         switch (rng() % 7) {
-          case 0: case 1: c.put(key, int64_t(step), int64_t(rng() % 512), Tier::kDevice, int32_t(rng() % 3), &ev); break;
+          case 0: case 1: c.put(key, int64_t(step), 1 + int64_t(rng() % 512), Tier::kDevice, int32_t(rng() % 3), &ev); break;
           case 2: c.get(key); break;
           case 3: c.pin(key); c.unpin(key); break;
           case 4: c.set_priority(key, int32_t(rng() % 3)); break;

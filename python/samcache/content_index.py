@@ -104,7 +104,7 @@ class ContentIndex:
         inserted, evicted = self._index.put(
             _key(key),
             _int(handle, "handle", *_I64),
-            _int(size_bytes, "size_bytes", *_I64),
+            _int(size_bytes, "size_bytes", 1, _I64[1]),
             tier,
             _int(priority, "priority", *_I32),
         )

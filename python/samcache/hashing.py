@@ -131,12 +131,14 @@ def _pixels(image: Any) -> tuple[np.ndarray, str]:
     import torch
 
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image
+        from PIL import Image, ImageOps
 
         try:
             with Image.open(image) as img:
                 img.load()
-                return _pixels(img)
+                # Decode as model pipelines do (transformers' load_image): EXIF orientation applied,
+                # so a rotated photo never shares a hash with its unrotated pixels.
+                return _pixels(ImageOps.exif_transpose(img))
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"cannot read image {os.fspath(image)!r}: {e}") from e
     if isinstance(image, torch.Tensor):
@@ -167,12 +169,14 @@ def hash_image(image: Any, *, preprocess: Mapping[str, Any] | None = None) -> Co
 
     ``image`` is a path, a PIL image, a numpy array or a torch tensor. The same pixels give the
     same hash whatever the container (a PIL RGB image and its ``np.asarray`` agree); a path is
-    decoded first, so re-encoding a file without changing its pixels keeps its hash.
+    decoded first (EXIF orientation applied), so re-encoding a file without changing its
+    pixels keeps its hash.
     Torch tensors hash their raw bytes with dtype and shape.
     """
     arr, colour = _pixels(image)
-    if arr.dtype.kind == "b":
-        arr = arr.view(np.uint8)
+    if arr.dtype.kind == "b":  # bool arrays may store True as 0x01 or 0xFF: hash the values
+        arr = arr.astype(np.uint8)
+        colour += ":bool"
     header = json.dumps([str(arr.dtype), list(arr.shape), colour], separators=(",", ":")).encode()
     h = xxhash.xxh3_128(_IMAGE_DOMAIN)
     h.update(len(header).to_bytes(8, "little"))

@@ -44,7 +44,7 @@ struct CopyPair {
 
 struct BlockPoolStats {
   int64_t num_blocks, block_size, free_blocks, evictable_blocks, cached_blocks, live_sequences;
-  int64_t prefix_queries, prefix_hit_blocks, evictions, cow_copies;
+  int64_t prefix_queries, prefix_hit_blocks, evictions, cow_copies, eviction_heap_nodes;
 };
 
 class BlockPool {
@@ -110,7 +110,7 @@ class BlockPool {
     State state = State::kFree;
   };
   struct Sequence {
-    uint32_t generation = 0;
+    uint32_t generation = 0;  // 1 .. 2^31-1: the high half of the sequence id
     bool live = false;
     std::vector<BlockId> table;
     int64_t num_tokens = 0;
@@ -142,6 +142,7 @@ class BlockPool {
                                     Key128* last_hash) const;
   void register_full_block(Sequence& s, int64_t block_index);
   bool heap_node_current(const EvictionHeap<BlockId>::Node& node) const;
+  void rebuild_heap_if_needed();
 
   int32_t num_blocks_;
   int32_t block_size_;

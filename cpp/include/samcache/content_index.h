@@ -40,7 +40,7 @@ struct EvictedEntry {
 
 struct ContentIndexStats {
   int64_t entries, used_bytes, pinned_bytes, capacity_bytes;
-  int64_t hits, misses, inserts, evictions;
+  int64_t hits, misses, inserts, evictions, eviction_heap_nodes;
 };
 
 class ContentIndex {

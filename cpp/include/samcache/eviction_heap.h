@@ -4,8 +4,8 @@
 // Priorities come from a policy above us (LRU when every priority is 0; workflow-aware
 // policies set them from Python in batches). The heap is lazy: an owner never searches it to
 // update an entry. It pushes a new node when an entry's (priority, tick) changes, and when a
-// node reaches the top the owner's `current` predicate says whether it still describes the
-// entry; stale nodes are dropped then, or in bulk by `compact`.
+// node reaches the top the owner says whether it still describes the entry; stale nodes are
+// dropped then, or all at once when the owner rebuilds the heap from its entries.
 #pragma once
 
 #include <algorithm>
@@ -44,11 +44,13 @@ class EvictionHeap {
     return std::nullopt;
   }
 
-  // Drops stale nodes once they outnumber live entries; `current(node)` tells which to keep.
-  template <class Current>
-  void compact_if_needed(size_t live_entries, Current&& current) {
+  // Once nodes outnumber live entries 2:1, rebuilds the heap from the owner's truth:
+  // `emit_live(push)` calls push(priority, tick, id) once per evictable entry.
+  template <class EmitLive>
+  void rebuild_if_needed(size_t live_entries, EmitLive&& emit_live) {
     if (heap_.size() <= 2 * live_entries + 1024) return;
-    std::erase_if(heap_, [&](const Node& n) { return !current(n); });
+    heap_.clear();
+    emit_live([this](int32_t priority, uint64_t tick, const Id& id) { heap_.push_back(Node{priority, tick, id}); });
     std::make_heap(heap_.begin(), heap_.end(), later);
   }
 

@@ -6,5 +6,6 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 """
 
 from samcache.ops.copy_blocks import copy_blocks
+from samcache.ops.sparse_attention import sparse_attention
 
-__all__ = ["copy_blocks"]
+__all__ = ["copy_blocks", "sparse_attention"]

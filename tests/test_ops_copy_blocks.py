@@ -82,6 +82,8 @@ def test_copy_blocks_bad_input():
         (lambda: copy_blocks([c], torch.tensor([[0, 1], [1, 2]])), ValueError),
         (lambda: copy_blocks([c], [[0, 1]]), TypeError),
         (lambda: copy_blocks([c, "x"], ok), TypeError),
+        (lambda: copy_blocks([c, c], ok), ValueError),  # the same memory twice would race
+        (lambda: copy_blocks([c, c.view(4, 2)], ok), ValueError),
     ]
     for call, exc in cases:
         before = c.clone()

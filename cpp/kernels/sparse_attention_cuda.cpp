@@ -1,0 +1,75 @@
+// Torch-facing CUDA wrapper of sparse_attention: validate, pick the split count, allocate the
+// outputs (and split workspace), launch on the current stream.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "sparse_attention.cuh"  // cuda/: the raw-pointer launcher
+#include "sparse_attention.h"
+
+namespace samcache::kernels {
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, const at::Tensor& q_index,
+                                                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                         const at::Tensor& block_table, int64_t num_kv_tokens,
+                                                         double scale, int64_t window, double logit_cap) {
+  const SparseAttentionShape s =
+      plan_sparse_attention(q, q_index, key_cache, value_cache, block_table, num_kv_tokens, scale, window, logit_cap);
+  TORCH_CHECK_VALUE(s.head_dim % 8 == 0 && s.head_dim <= samcache::cuda::kSparseAttentionMaxHeadDim,
+                    "sparse_attention on CUDA needs head_dim to be a multiple of 8 up to ",
+                    samcache::cuda::kSparseAttentionMaxHeadDim, ", got ", s.head_dim);
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                      "sparse_attention on CUDA needs 16-byte aligned caches (a view with an odd storage offset?)");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor qi = q_index.to(at::kLong).contiguous();
+  const at::Tensor bt = block_table.to(at::kInt).contiguous();
+  at::Tensor out = at::empty_like(qc);
+  at::Tensor lse = at::empty({s.num_queries, s.num_q_heads}, q.options().dtype(at::kFloat));
+  if (s.num_queries == 0) return {out, lse};
+
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
+  samcache::cuda::SparseAttentionParams p{};
+  p.num_splits = samcache::cuda::sparse_attention_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads,
+                                                             num_kv_tokens, sms);
+  at::Tensor partial_o, partial_ml;
+  if (p.num_splits > 1) {
+    partial_o = at::empty({p.num_splits, s.num_queries, s.num_q_heads, s.head_dim}, lse.options());
+    partial_ml = at::empty({p.num_splits, s.num_queries, s.num_q_heads, 2}, lse.options());
+    p.partial_o = partial_o.data_ptr<float>();
+    p.partial_ml = partial_ml.data_ptr<float>();
+  }
+  p.q = qc.data_ptr();
+  p.q_index = qi.data_ptr<int64_t>();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_table = bt.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.num_queries = s.num_queries;
+  p.num_q_heads = s.num_q_heads;
+  p.num_kv_heads = s.num_kv_heads;
+  p.head_dim = s.head_dim;
+  p.block_size = s.block_size;
+  p.num_kv_tokens = num_kv_tokens;
+  p.num_table_blocks = bt.numel();
+  p.num_cache_blocks = key_cache.size(0);
+  p.window = window;
+  p.scale = static_cast<float>(scale);
+  p.logit_cap = static_cast<float>(logit_cap);
+  using samcache::cuda::AttnDType;
+  const AttnDType dtype = q.scalar_type() == at::kFloat ? AttnDType::kFloat32
+                          : q.scalar_type() == at::kHalf ? AttnDType::kFloat16
+                                                         : AttnDType::kBFloat16;
+  const cudaError_t err = samcache::cuda::sparse_attention(p, dtype, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "sparse_attention CUDA launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+}  // namespace samcache::kernels

@@ -1,0 +1,44 @@
+// Raw-pointer launcher of cuda/sparse_attention.cu (no torch types: the .cu compiles alone with
+// nvcc). The torch-facing wrapper is cpp/kernels/sparse_attention_cuda.cpp.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace samcache::cuda {
+
+enum class AttnDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// All tensors contiguous: q [Q, Hq, D], caches [num_blocks, block_size, Hkv, D], out like q,
+// lse [Q, Hq]. With num_splits > 1, partial_o [splits, Q, Hq, D] and partial_ml
+// [splits, Q, Hq, 2] hold per-split results that a second kernel merges.
+struct SparseAttentionParams {
+  const void* q;
+  const int64_t* q_index;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_table;
+  void* out;
+  float* lse;
+  float* partial_o;
+  float* partial_ml;
+  int64_t num_queries, num_q_heads, num_kv_heads, head_dim, block_size;
+  int64_t num_kv_tokens, num_table_blocks, num_cache_blocks;
+  int64_t window;  // <= 0: none
+  float scale;
+  float logit_cap;  // <= 0: none
+  int num_splits;
+};
+
+// Head dims the kernel supports: multiples of 8 up to 256 (one 16-byte load per 8 elements).
+constexpr int64_t kSparseAttentionMaxHeadDim = 256;
+
+// Splits of the key range so that the grid fills the device (>= 2 CTAs per SM) while each
+// split keeps >= 512 keys.
+int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t num_kv_tokens,
+                                int num_sms);
+
+cudaError_t sparse_attention(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream);
+
+}  // namespace samcache::cuda
