@@ -1,4 +1,5 @@
 import os
+import threading
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,3 +21,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def run_threads():
+    """run_threads(worker, n): run worker(seed) in n threads at once; re-raise any failure."""
+
+    def run(worker, n=4):
+        errors = []
+
+        def guarded(seed):
+            try:
+                worker(seed)
+            except Exception as e:  # noqa: BLE001 - re-raised below in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+
+    return run

@@ -1,7 +1,5 @@
 """BlockPool: behaviour, a stateful property test over a simulated KV memory, bad input, threads."""
 
-import threading
-
 import numpy as np
 import pytest
 import xxhash
@@ -340,49 +338,39 @@ TestPoolMachine = PoolMachine.TestCase
 # ---- threads -----------------------------------------------------------------------------------------
 
 
-def test_threads_stress_keeps_invariants():
+def test_threads_stress_keeps_invariants(run_threads):
     pool = BlockPool(256, 8)
-    errors = []
-
     def worker(seed):
         rng = np.random.default_rng(seed)
         mine = []
-        try:
-            for _ in range(3000):
-                op = rng.integers(6)
-                if op == 0 or not mine:
-                    mine.append(pool.new_sequence())
-                    continue
-                s = mine[rng.integers(len(mine))]
-                try:
-                    if op == 1:
-                        mine.append(pool.fork(s))
-                    elif op == 2:
-                        pool.free_sequence(s)
-                        mine.remove(s)
-                    elif op == 3:
-                        pool.append_tokens(s, rng.integers(0, 3, rng.integers(0, 20)))
-                    elif op == 4:
-                        t = pool.new_sequence()
-                        mine.append(t)
-                        pool.adopt_prefix(t, rng.integers(0, 3, 24))
-                    else:
-                        pool.check_invariants()
-                except OutOfBlocks:
-                    for x in mine:
-                        pool.free_sequence(x)
-                    mine.clear()
-            for x in mine:
-                pool.free_sequence(x)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(3000):
+            op = rng.integers(6)
+            if op == 0 or not mine:
+                mine.append(pool.new_sequence())
+                continue
+            s = mine[rng.integers(len(mine))]
+            try:
+                if op == 1:
+                    mine.append(pool.fork(s))
+                elif op == 2:
+                    pool.free_sequence(s)
+                    mine.remove(s)
+                elif op == 3:
+                    pool.append_tokens(s, rng.integers(0, 3, rng.integers(0, 20)))
+                elif op == 4:
+                    t = pool.new_sequence()
+                    mine.append(t)
+                    pool.adopt_prefix(t, rng.integers(0, 3, 24))
+                else:
+                    pool.check_invariants()
+            except OutOfBlocks:
+                for x in mine:
+                    pool.free_sequence(x)
+                mine.clear()
+        for x in mine:
+            pool.free_sequence(x)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(worker)
     pool.check_invariants()
     assert pool.num_free_blocks() == 256 and pool.stats()["live_sequences"] == 0
 

@@ -1,7 +1,5 @@
 """ContentIndex: behaviour, a stateful property test against a Python model, bad input, threads."""
 
-import threading
-
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -203,39 +201,30 @@ class IndexMachine(RuleBasedStateMachine):
 TestIndexMachine = IndexMachine.TestCase
 
 
-def test_threads_stress_keeps_invariants():
+def test_threads_stress_keeps_invariants(run_threads):
     index = ContentIndex(1 << 14)
-    errors = []
 
     def worker(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(4000):
-                k = key(int(rng.integers(300)))
-                op = rng.integers(6)
-                try:
-                    if op < 2:
-                        index.put(k, 1, 1 + int(rng.integers(512)), priority=int(rng.integers(3)))
-                    elif op == 2:
+        for _ in range(4000):
+            k = key(int(rng.integers(300)))
+            op = rng.integers(6)
+            try:
+                if op < 2:
+                    index.put(k, 1, 1 + int(rng.integers(512)), priority=int(rng.integers(3)))
+                elif op == 2:
+                    index.get(k)
+                elif op == 3:
+                    with index.pinned(k):
                         index.get(k)
-                    elif op == 3:
-                        with index.pinned(k):
-                            index.get(k)
-                    elif op == 4:
-                        index.evict_until(1 << 13)
-                    else:
-                        index.check_invariants()
-                except NotFound:
-                    pass
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+                elif op == 4:
+                    index.evict_until(1 << 13)
+                else:
+                    index.check_invariants()
+            except NotFound:
+                pass
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(worker)
     index.check_invariants()
     assert index.stats()["pinned_bytes"] == 0
 
