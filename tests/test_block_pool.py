@@ -340,6 +340,7 @@ TestPoolMachine = PoolMachine.TestCase
 
 def test_threads_stress_keeps_invariants(run_threads):
     pool = BlockPool(256, 8)
+
     def worker(seed):
         rng = np.random.default_rng(seed)
         mine = []
