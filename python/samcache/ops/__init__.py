@@ -6,5 +6,6 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 """
 
 from samcache.ops.copy_blocks import copy_blocks
+from samcache.ops.paged_kv import paged_gather, paged_write, swap_blocks
 
-__all__ = ["copy_blocks"]
+__all__ = ["copy_blocks", "paged_gather", "paged_write", "swap_blocks"]
