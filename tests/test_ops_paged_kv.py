@@ -535,3 +535,26 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.samcache.paged_gather.default, (key_cache, value_cache, torch.tensor([5, 2]), 7))
     host = torch.zeros(3, 4, 2, 8).pin_memory()
     torch.library.opcheck(torch.ops.samcache.swap_blocks.default, (key_cache, host, torch.tensor([[5, 0], [1, 2]])))
+
+
+def test_strided_index_tensors():
+    """Index tensors are read through their strides (views of larger index arrays)."""
+    g = torch.Generator().manual_seed(9)
+    key_cache = torch.full((4, 2, 1, 3), float("nan"))
+    value_cache = key_cache.clone()
+    key, value = torch.randn(3, 1, 3, generator=g), torch.randn(3, 1, 3, generator=g)
+    slots = torch.tensor([[6, 0], [-1, 0], [1, 0]])[:, 0]  # stride 2
+    want_k, want_v = reference_write(key, value, key_cache, value_cache, slots)
+    paged_write(key, value, key_cache, value_cache, slots)
+    assert_same(key_cache, want_k)
+    assert_same(value_cache, want_v)
+    table = torch.tensor([3, 9, 0, 9], dtype=torch.int32)[::2]
+    k, v = paged_gather(key_cache, value_cache, table, 3)
+    want_k, want_v = reference_gather(key_cache, value_cache, table, 3)
+    assert_same(k, want_k)
+    assert_same(v, want_v)
+    pairs = torch.tensor([[3, 0], [1, 2]]).t()  # [2, 2] transposed view: (3, 1) and (0, 2)
+    dst = torch.full((3, 2, 1, 3), float("nan"))
+    want = reference_swap(key_cache, dst, pairs)
+    swap_blocks(key_cache, dst, pairs)
+    assert_same(dst, want)
