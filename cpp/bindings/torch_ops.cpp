@@ -1,10 +1,11 @@
 // The single registration file of torch.ops.samcache: every op's schema is defined here once,
 // with its CPU and (when built) CUDA implementations. Fake (meta) implementations for
-// torch.compile are registered in Python (samcache/ops.py). Later issues only add lines here.
+// torch.compile are registered in Python (samcache/ops/<family>.py). Later issues only add lines here.
 #include <torch/library.h>
 
 #include "../kernels/copy_blocks.h"
 #include "../kernels/sparse_attention.h"
+#include "../kernels/paged_kv.h"
 
 TORCH_LIBRARY(samcache, m) {
   // Copies block src -> dst in every cache, for each (src, dst) row of block_pairs.
@@ -14,16 +15,28 @@ TORCH_LIBRARY(samcache, m) {
   m.def(
       "sparse_attention(Tensor q, Tensor q_index, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "int num_kv_tokens, float scale, int window=-1, float logit_cap=0.0) -> (Tensor, Tensor)");
+  // Writes token i's K/V rows at slot slot_mapping[i] of the paged caches (-1 = skip).
+  m.def("paged_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  // One sequence's first num_tokens tokens as contiguous [num_tokens, heads, head_dim] K and V.
+  m.def("paged_gather(Tensor key_cache, Tensor value_cache, Tensor block_table, int num_tokens) -> (Tensor, Tensor)");
+  // Copies block src of `src` to block dst of `dst` per row of block_pairs (CPU/GPU tiering).
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_pairs) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(samcache, CPU, m) {
   m.impl("copy_blocks", &samcache::kernels::copy_blocks_cpu);
   m.impl("sparse_attention", &samcache::kernels::sparse_attention_cpu);
+  m.impl("paged_write", &samcache::kernels::paged_write_cpu);
+  m.impl("paged_gather", &samcache::kernels::paged_gather_cpu);
+  m.impl("swap_blocks", &samcache::kernels::swap_blocks_cpu);
 }
 
 #ifdef SAMCACHE_WITH_CUDA
 TORCH_LIBRARY_IMPL(samcache, CUDA, m) {
   m.impl("copy_blocks", &samcache::kernels::copy_blocks_cuda);
   m.impl("sparse_attention", &samcache::kernels::sparse_attention_cuda);
+  m.impl("paged_write", &samcache::kernels::paged_write_cuda);
+  m.impl("paged_gather", &samcache::kernels::paged_gather_cuda);
+  m.impl("swap_blocks", &samcache::kernels::swap_blocks_cuda);
 }
 #endif
