@@ -114,7 +114,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SparseAttentionParams p
     bool valid = key <= range.hi;
     int64_t row = 0;  // element offset of this key's [kv_head] row
     if (valid) {
-      const int64_t blk = p.block_table[key / p.block_size];
+      const int64_t t = key / p.block_size;
+      const int64_t blk = p.block_table_int64 ? static_cast<const int64_t*>(p.block_table)[t]
+                                              : static_cast<const int32_t*>(p.block_table)[t];
       if (blk < 0 || blk >= p.num_cache_blocks) {
         valid = false;
         bad = 1;  // benign race: every writer stores 1
@@ -262,17 +264,18 @@ cudaError_t launch(const SparseAttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t num_kv_tokens,
+int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t max_keys,
                                 int num_sms) {
-  const int64_t groups = (num_q_heads / num_kv_heads + kMaxGroup - 1) / kMaxGroup;
+  const int64_t groups = num_kv_heads > 0 ? (num_q_heads / num_kv_heads + kMaxGroup - 1) / kMaxGroup : 0;
   const int64_t ctas = num_queries * num_kv_heads * groups;
+  if (ctas <= 0) return 1;
   const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
-  const int64_t most = (num_kv_tokens + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+  const int64_t most = (max_keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
   return static_cast<int>(max(int64_t{1}, min(min(want, most), int64_t{65535})));
 }
 
 cudaError_t sparse_attention(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream) {
-  if (p.num_queries == 0) return cudaSuccess;
+  if (p.num_queries == 0 || p.num_q_heads == 0) return cudaSuccess;
   const int64_t head_groups = p.num_kv_heads * ((p.num_q_heads / p.num_kv_heads + kMaxGroup - 1) / kMaxGroup);
   if (p.head_dim % 8 != 0 || p.head_dim > kSparseAttentionMaxHeadDim || p.num_queries > 0x7fffffff ||
       p.num_splits < 1 || p.num_splits > 65535 || head_groups > 65535 || p.num_q_heads > 65535)

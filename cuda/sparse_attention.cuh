@@ -18,7 +18,8 @@ struct SparseAttentionParams {
   const int64_t* q_index;
   const void* key_cache;
   const void* value_cache;
-  const int32_t* block_table;
+  const void* block_table;  // int32 or int64 (block_table_int64): never narrowed on the host
+  bool block_table_int64;
   void* out;
   float* lse;
   float* partial_o;
@@ -36,7 +37,8 @@ constexpr int64_t kSparseAttentionMaxHeadDim = 256;
 
 // Splits of the key range so that the grid fills the device (>= 2 CTAs per SM) while each
 // split keeps >= 512 keys.
-int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t num_kv_tokens,
+// `max_keys`: the most keys one query sees (num_kv_tokens, or the window when smaller).
+int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t max_keys,
                                 int num_sms);
 
 cudaError_t sparse_attention(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream);

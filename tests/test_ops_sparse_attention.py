@@ -123,6 +123,9 @@ def test_bad_input():
         (dict(num_kv_tokens=49), ValueError),
         (dict(num_kv_tokens=0), ValueError),
         (dict(num_kv_tokens=4.0), TypeError),
+        # strided int64 views must be checked as the op reads them
+        (dict(block_table=torch.tensor([0, 0, 2, 0, 10**12, 0], dtype=torch.long)[::2]), IndexError),
+        (dict(q_index=torch.tensor([5, 0, 1, 0, 2, 0, 3, 0, 10**6, 0])[::2]), IndexError),
         (dict(q="q"), TypeError),
     ]
     for change, exc in cases:
@@ -147,9 +150,20 @@ def test_opcheck_and_compile():
     torch.testing.assert_close(out.double(), 2 * ref_out, rtol=1e-5, atol=1e-5)
 
 
+def test_zero_query_heads():
+    q, q_index, kc, vc, table = make_case(6, 32, 2, 16, 1, 1, 8, 3, torch.float32)
+    out, lse = sparse_attention(q[:, :0], q_index, kc, vc, table, 32)
+    assert out.shape == (3, 0, 8) and lse.shape == (3, 0)
+
+
+# Shapes: (keys, block_size, kv_heads, heads per kv head, head_dim, queries). The second and
+# fourth use several key splits (few queries) and two head groups (12 heads per kv head).
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(3000, 16, 4, 2, 128, 150), (257, 1, 1, 8, 64, 3), (700, 16, 2, 4, 96, 700)])
+@pytest.mark.parametrize(
+    "shape",
+    [(3000, 16, 4, 2, 128, 150), (4096, 16, 2, 12, 128, 2), (700, 16, 2, 4, 96, 700), (257, 1, 1, 8, 64, 3)],
+)
 def test_cuda_matches_reference(dtype, shape):
     n, bs, hkv, g, d, nq = shape
     q, q_index, kc, vc, table = make_case(5, n, -(-n // bs) + 2, bs, hkv, g, d, nq, dtype)
@@ -160,3 +174,15 @@ def test_cuda_matches_reference(dtype, shape):
         tol = DTYPES[dtype]
         torch.testing.assert_close(out.cpu().double(), ref_out, rtol=tol, atol=tol)
         torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        sparse_attention(q.cuda(), q_index.cuda(), kc.cuda(), vc.cuda(), table.long().cuda(), n)[0].cpu().double(),
+        reference(q, q_index, kc, vc, table, n, d**-0.5, -1, 0.0)[0], rtol=DTYPES[dtype], atol=DTYPES[dtype])
+
+
+@pytest.mark.cuda
+def test_cuda_out_of_range_index_gives_nan_not_a_fault():
+    q, q_index, kc, vc, table = make_case(7, 64, 4, 16, 1, 2, 64, 4, torch.float16)
+    bad_index = torch.tensor([3, 64, 10, 2**40]).cuda()  # device indices are not checked on the host
+    out, lse = sparse_attention(q.cuda(), bad_index, kc.cuda(), vc.cuda(), table.cuda(), 64)
+    assert out[[1, 3]].isnan().all() and lse[[1, 3]].isnan().all()
+    assert not out[[0, 2]].isnan().any()

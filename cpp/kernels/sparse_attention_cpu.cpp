@@ -58,12 +58,12 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
   TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0, "sparse_attention: logit_cap must be >= 0, got ",
                     logit_cap);
   if (q.device().is_cpu()) {  // device tensors cannot be read without a sync: the kernel guards instead
-    const at::Tensor qi = q_index.to(at::kLong);
+    const at::Tensor qi = q_index.to(at::kLong).contiguous();  // a strided view must be read as such
     const int64_t* p = qi.data_ptr<int64_t>();
     for (int64_t i = 0; i < s.num_queries; ++i)
       TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < num_kv_tokens, "sparse_attention: q_index[", i, "] = ", p[i],
                         " is outside [0, num_kv_tokens=", num_kv_tokens, ")");
-    const at::Tensor bt = block_table.to(at::kLong);
+    const at::Tensor bt = block_table.to(at::kLong).contiguous();
     const int64_t* b = bt.data_ptr<int64_t>();
     const int64_t used = (num_kv_tokens + s.block_size - 1) / s.block_size;
     for (int64_t i = 0; i < used; ++i)

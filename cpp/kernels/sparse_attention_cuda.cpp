@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+
 #include "sparse_attention.cuh"  // cuda/: the raw-pointer launcher
 #include "sparse_attention.h"
 
@@ -28,16 +30,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor qc = q.contiguous();
   const at::Tensor qi = q_index.to(at::kLong).contiguous();
-  const at::Tensor bt = block_table.to(at::kInt).contiguous();
+  const at::Tensor bt = block_table.contiguous();
   at::Tensor out = at::empty_like(qc);
   at::Tensor lse = at::empty({s.num_queries, s.num_q_heads}, q.options().dtype(at::kFloat));
-  if (s.num_queries == 0) return {out, lse};
+  if (out.numel() == 0) return {out, lse};
 
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
   samcache::cuda::SparseAttentionParams p{};
-  p.num_splits = samcache::cuda::sparse_attention_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads,
-                                                             num_kv_tokens, sms);
+  const int64_t max_keys = window > 0 ? std::min(window, num_kv_tokens) : num_kv_tokens;
+  p.num_splits = samcache::cuda::sparse_attention_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads, max_keys, sms);
   at::Tensor partial_o, partial_ml;
   if (p.num_splits > 1) {
     partial_o = at::empty({p.num_splits, s.num_queries, s.num_q_heads, s.head_dim}, lse.options());
@@ -49,7 +51,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   p.q_index = qi.data_ptr<int64_t>();
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
-  p.block_table = bt.data_ptr<int32_t>();
+  p.block_table = bt.data_ptr();
+  p.block_table_int64 = bt.scalar_type() == at::kLong;
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.num_queries = s.num_queries;
