@@ -6,5 +6,6 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 """
 
 from samcache.ops.copy_blocks import copy_blocks
+from samcache.ops.rope import rope_rerotate, rope_rerotate_write
 
-__all__ = ["copy_blocks"]
+__all__ = ["copy_blocks", "rope_rerotate", "rope_rerotate_write"]
