@@ -106,56 +106,70 @@ __host__ __device__ __forceinline__ int64_t rotary_units(const RopeArgs& a, int 
   return a.interleaved_pairs ? 2 * a.rotary_half / (vec > 1 ? vec : 2) : a.rotary_half / vec;
 }
 
+// Shared memory of one buffer: the destination row offset of each of its tokens (-1: skip),
+// then per token [cos(half) | sin(half)]. Both sizes are multiples of 8 bytes.
+__host__ __device__ __forceinline__ int64_t buffer_bytes(int tokens_per_iter, int64_t rotary_dim) {
+  return tokens_per_iter * static_cast<int64_t>(sizeof(int64_t) + rotary_dim * sizeof(float));
+}
+
 template <typename T, int VEC, bool kPaged, typename SlotT>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const __grid_constant__ RopeArgs args, int tokens_per_iter) {
-  extern __shared__ float angles_smem[];  // 2 buffers x tokens_per_iter x [cos(half) | sin(half)]
+  extern __shared__ int64_t smem[];  // 2 buffers, see buffer_bytes
   constexpr int G = kGptjUnit<VEC>;
-  const int64_t half = args.rotary_half;
-  const int64_t rotary_dim = 2 * half;
-  const int64_t units_rot = rotary_units(args, VEC);
-  const int64_t units_head = units_rot + (kPaged ? (args.head_dim - rotary_dim) / VEC : 0);
-  const int64_t units_token = args.num_heads * units_head;
+  // In-iteration indices are 32-bit (the launcher checks tokens_per_iter * units_token fits):
+  // 64-bit division per vector would cost more than the memory traffic it serves.
+  const int half = static_cast<int>(args.rotary_half);
+  const int rotary_dim = 2 * half;
+  const int units_rot = static_cast<int>(rotary_units(args, VEC));
+  const int units_head = units_rot + (kPaged ? static_cast<int>(args.head_dim - rotary_dim) / VEC : 0);
+  const int units_token = static_cast<int>(args.num_heads) * units_head;
   const T* src = static_cast<const T*>(args.src);
   T* dst = static_cast<T*>(args.dst);
   const int64_t step = static_cast<int64_t>(gridDim.x) * tokens_per_iter;
+  const int64_t buffer_words = buffer_bytes(tokens_per_iter, rotary_dim) / static_cast<int64_t>(sizeof(int64_t));
 
-  // Double-buffered angles: one barrier per iteration suffices, since a buffer is refilled only
-  // two iterations later, after every thread has passed the next iteration's barrier.
+  // Double-buffered: one barrier per iteration suffices, since a buffer is refilled only two
+  // iterations later, after every thread has passed the next iteration's barrier.
   int buffer = 0;
   for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_iter; t0 < args.num_tokens; t0 += step, buffer ^= 1) {
-    float* angles = angles_smem + static_cast<int64_t>(buffer) * tokens_per_iter * rotary_dim;
-    const int64_t n = min(static_cast<int64_t>(tokens_per_iter), args.num_tokens - t0);
-    for (int64_t i = threadIdx.x; i < n * half; i += blockDim.x) {
-      const int64_t tt = i / half, j = i - tt * half;
+    int64_t* row_offset = smem + buffer * buffer_words;
+    float* angles = reinterpret_cast<float*>(row_offset + tokens_per_iter);
+    const int n = static_cast<int>(min(static_cast<int64_t>(tokens_per_iter), args.num_tokens - t0));
+    for (int i = threadIdx.x; i < n * half; i += blockDim.x) {
+      const int tt = i / half, j = i - tt * half;
       const int64_t row = args.multi_axis ? args.axis[j] : 0;
       const int64_t d = args.delta[row * args.delta_axis_stride + (t0 + tt) * args.delta_token_stride];
       rope_cos_sin(d, args.inv_freq[j], angles + tt * rotary_dim + j, angles + tt * rotary_dim + half + j);
     }
-    __syncthreads();
-
-    for (int64_t i = threadIdx.x; i < n * units_token; i += blockDim.x) {
-      const int64_t tt = i / units_token, r = i - tt * units_token;
-      const int64_t h = r / units_head, u = r - h * units_head;
+    for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
       const int64_t t = t0 + tt;
-      T* out;
       if constexpr (kPaged) {
         // Slots are unchecked device data: anything outside the cache (and -1) is skipped.
         const int64_t slot = static_cast<int64_t>(static_cast<const SlotT*>(args.slots)[t]);
-        if (slot < 0 || slot >= args.num_slots) continue;
-        out = dst + (slot / args.block_size) * args.dst_block_stride +
-              (slot % args.block_size) * args.dst_offset_stride + h * args.dst_head_stride;
+        row_offset[tt] = slot < 0 || slot >= args.num_slots
+                             ? -1
+                             : (slot / args.block_size) * args.dst_block_stride +
+                                   (slot % args.block_size) * args.dst_offset_stride;
       } else {
-        out = dst + t * args.dst_block_stride + h * args.dst_head_stride;
+        row_offset[tt] = t * args.dst_block_stride;
       }
-      const T* in = src + t * args.src_token_stride + h * args.src_head_stride;
+    }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < n * units_token; i += blockDim.x) {
+      const int tt = i / units_token, r = i - tt * units_token;
+      const int h = r / units_head, u = r - h * units_head;
+      if (kPaged && row_offset[tt] < 0) continue;
+      T* out = dst + row_offset[tt] + h * args.dst_head_stride;
+      const T* in = src + (t0 + tt) * args.src_token_stride + h * args.src_head_stride;
       const float* cos = angles + tt * rotary_dim;
       const float* sin = cos + half;
 
       if (u >= units_rot) {
-        const int64_t e = rotary_dim + (u - units_rot) * VEC;
+        const int e = rotary_dim + (u - units_rot) * VEC;
         copy_raw<T, VEC>(out + e, in + e);
       } else if (args.interleaved_pairs) {
-        const int64_t e = u * G;
+        const int e = u * G;
         float x[G];
         load<T, VEC>(in + e, x);
 #pragma unroll
@@ -167,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const __grid_constant__ 
         }
         store<T, VEC>(out + e, x);
       } else {
-        const int64_t j = u * VEC;
+        const int j = u * VEC;
         float lo[VEC], hi[VEC];
         load<T, VEC>(in + j, lo);
         load<T, VEC>(in + half + j, hi);
@@ -192,12 +206,17 @@ cudaError_t launch_typed(const RopeArgs& args, cudaStream_t stream) {
   const int64_t rotary_dim = 2 * args.rotary_half;
   const int64_t units_head = rotary_units(args, VEC) + (kPaged ? (args.head_dim - rotary_dim) / VEC : 0);
   const int64_t units_token = args.num_heads * units_head;
+  // 32-bit in-iteration indices (see rope_kernel); absurdly wide heads are refused.
+  if (units_token > (int64_t{1} << 30) / kMaxTokensPerIter || args.head_dim > (int64_t{1} << 30)) {
+    return cudaErrorInvalidValue;
+  }
   // Enough tokens per iteration to occupy the block's threads, within the shared memory.
   int64_t tokens_per_iter = units_token >= kThreads ? 1 : kThreads / units_token;
   tokens_per_iter = std::min<int64_t>(tokens_per_iter, kMaxTokensPerIter);
-  tokens_per_iter = std::min<int64_t>(tokens_per_iter, kMaxSharedBytes / (2 * rotary_dim * sizeof(float)));
-  tokens_per_iter = std::max<int64_t>(tokens_per_iter, 1);
-  const size_t smem = static_cast<size_t>(2 * tokens_per_iter * rotary_dim * sizeof(float));
+  while (tokens_per_iter > 1 && 2 * buffer_bytes(static_cast<int>(tokens_per_iter), rotary_dim) > kMaxSharedBytes) {
+    --tokens_per_iter;
+  }
+  const size_t smem = static_cast<size_t>(2 * buffer_bytes(static_cast<int>(tokens_per_iter), rotary_dim));
 
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
