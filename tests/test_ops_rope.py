@@ -101,6 +101,25 @@ def test_rerotate_moves_keys_to_new_positions(style, dtype, n, heads, half, tail
 
 
 @pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("spans", [1, 3, 60])
+def test_rerotate_per_span_deltas(style, spans):
+    """Images moved as a whole (few distinct deltas: cos/sin cached per worker) and deltas that
+    change every token (cos/sin tables) give the same, correct result."""
+    k_raw, pos, delta, inv_freq, section = random_case(style, 60, 2, 16, 4, seed=spans)
+    span_of_token = torch.arange(60) * spans // 60
+    delta = delta[..., :spans][..., span_of_token]
+    for dtype in DTYPES:
+        key = rope_ref(k_raw, pos, inv_freq, style, section).to(dtype)
+        rope_rerotate(key, delta, inv_freq, style, section)
+        want = rope_ref(k_raw, pos + delta, inv_freq, style, section)
+        torch.testing.assert_close(key.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+        cache = torch.full((8, 8, 2, 36), float("nan"), dtype=dtype)
+        rope_rerotate_write(rope_ref(k_raw, pos, inv_freq, style, section).to(dtype), delta, inv_freq, style, section,
+                            cache, torch.arange(60))
+        assert torch.equal(cache.view(-1, 2, 36)[:60], key)
+
+
+@pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rerotate_there_and_back_is_identity(style, dtype):
     k_raw, pos, delta, inv_freq, section = random_case(style, 64, 4, 32, 16, seed=7)

@@ -1,5 +1,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -65,19 +66,71 @@ inline void rotate_head(const T* src, T* dst, const float* cos, const float* sin
   }
 }
 
-// Per-thread cos/sin of one token, recomputed only when the token's deltas change (an image
-// moved as a whole shares one delta, so this is nearly free in practice).
+// The cos/sin of every token at once, from torch's vectorised ops (same float64 angle and
+// reduction as rope_cos_sin, then float32 cos/sin): used when the deltas change from token to
+// token, where one scalar cos/sin pair per (token, frequency) would dominate the run time.
+struct AngleTables {
+  at::Tensor cos, sin;  // float32 [N, rotary_half], contiguous
+};
+
+AngleTables angle_tables(const RopePlan& plan, const at::Tensor& delta, const at::Tensor& inv_freq) {
+  at::Tensor d;  // [N, rotary_half] or [N, 1]: the delta driving each (token, frequency)
+  if (delta.dim() == 2) {
+    std::vector<int64_t> rows(plan.axis.begin(), plan.axis.end());
+    d = delta.index_select(0, at::tensor(rows, at::TensorOptions().dtype(at::kLong))).t();
+  } else {
+    d = delta.unsqueeze(1);
+  }
+  const at::Tensor angle = d.to(at::kDouble).mul(inv_freq.to(at::kDouble));
+  const at::Tensor k = angle.mul(kInvTwoPi).round();
+  const at::Tensor r = angle.sub(k.mul(kTwoPiHi)).sub(k.mul(kTwoPiLo)).to(at::kFloat);
+  return {r.cos().contiguous(), r.sin().contiguous()};
+}
+
+// True when the deltas change at more than 1 token in 8 (then angle_tables pays off).
+bool deltas_vary(const at::Tensor& delta) {
+  const bool multi = delta.dim() == 2;
+  const int64_t n = multi ? delta.size(1) : delta.size(0);
+  const int64_t ts = multi ? delta.stride(1) : delta.stride(0), as = multi ? delta.stride(0) : 0;
+  const int64_t* d = delta.const_data_ptr<int64_t>();
+  int64_t changes = 0;
+  for (int64_t t = 1; t < n; ++t)
+    for (int a = 0; a < (multi ? 3 : 1); ++a)
+      if (d[a * as + t * ts] != d[a * as + (t - 1) * ts]) {
+        ++changes;
+        break;
+      }
+  return changes * 8 > n;
+}
+
+// The cos/sin of one token for one worker: rows of the tables when given, else computed per
+// token and kept while the deltas stay the same (an image moved as a whole shares one delta, so
+// this is nearly free in practice).
 class TokenAngles {
  public:
-  TokenAngles(const RopePlan& plan, const at::Tensor& delta, const float* inv_freq)
-      : plan_(plan), inv_freq_(inv_freq), cos_(plan.rotary_half), sin_(plan.rotary_half) {
-    d_ = delta.data_ptr<int64_t>();
+  TokenAngles(const RopePlan& plan, const at::Tensor& delta, const float* inv_freq, const AngleTables& tables)
+      : plan_(plan), inv_freq_(inv_freq) {
+    if (tables.cos.defined()) {
+      table_cos_ = tables.cos.const_data_ptr<float>();
+      table_sin_ = tables.sin.const_data_ptr<float>();
+      return;
+    }
+    cos_.resize(plan.rotary_half);
+    sin_.resize(plan.rotary_half);
+    cos_ptr_ = cos_.data();
+    sin_ptr_ = sin_.data();
+    d_ = delta.const_data_ptr<int64_t>();
     multi_ = delta.dim() == 2;
     axis_stride_ = multi_ ? delta.stride(0) : 0;
     token_stride_ = multi_ ? delta.stride(1) : delta.stride(0);
   }
 
   void load(int64_t token) {
+    if (table_cos_ != nullptr) {
+      cos_ptr_ = table_cos_ + token * plan_.rotary_half;
+      sin_ptr_ = table_sin_ + token * plan_.rotary_half;
+      return;
+    }
     std::array<int64_t, 3> d{};
     for (int a = 0; a < (multi_ ? 3 : 1); ++a) d[a] = d_[a * axis_stride_ + token * token_stride_];
     if (valid_ && d == last_) return;
@@ -85,12 +138,16 @@ class TokenAngles {
     last_ = d;
     valid_ = true;
   }
-  const float* cos() const { return cos_.data(); }
-  const float* sin() const { return sin_.data(); }
+  const float* cos() const { return cos_ptr_; }
+  const float* sin() const { return sin_ptr_; }
 
  private:
   const RopePlan& plan_;
   const float* inv_freq_;
+  const float* table_cos_ = nullptr;
+  const float* table_sin_ = nullptr;
+  const float* cos_ptr_ = nullptr;
+  const float* sin_ptr_ = nullptr;
   const int64_t* d_ = nullptr;
   bool multi_ = false;
   int64_t axis_stride_ = 0, token_stride_ = 0;
@@ -217,13 +274,14 @@ RopePlan plan_rope_rerotate_write(const at::Tensor& key, const at::Tensor& delta
 namespace {
 
 // Rotates every head of key in place: float32 or bfloat16 (float16 goes through float32 below).
-void rerotate_heads(const RopePlan& plan, const at::Tensor& key, const at::Tensor& delta, const float* freqs) {
+void rerotate_heads(const RopePlan& plan, const at::Tensor& key, const at::Tensor& delta, const float* freqs,
+                    const AngleTables& tables) {
   const bool interleaved = plan.style == RopeStyle::kGptj;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, key.scalar_type(), "rope_rerotate_cpu", [&] {
     scalar_t* base = key.data_ptr<scalar_t>();
     const int64_t st = key.stride(0), sh = key.stride(1);
     at::parallel_for(0, plan.num_tokens, token_grain(key), [&](int64_t begin, int64_t end) {
-      TokenAngles angles(plan, delta, freqs);
+      TokenAngles angles(plan, delta, freqs, tables);
       for (int64_t t = begin; t < end; ++t) {
         angles.load(t);
         for (int64_t h = 0; h < plan.num_heads; ++h) {
@@ -238,11 +296,12 @@ void rerotate_heads(const RopePlan& plan, const at::Tensor& key, const at::Tenso
 // float16 <-> float32 element by element is scalar without F16C (which the portable build does
 // not assume), 10x slower than the rest; torch's own conversions are vectorised with runtime
 // CPU dispatch, so float16 rotates a float32 copy of the rotary dims and converts back.
-void rerotate_in_place(const RopePlan& plan, const at::Tensor& key, const at::Tensor& delta, const float* freqs) {
-  if (key.scalar_type() != at::kHalf) return rerotate_heads(plan, key, delta, freqs);
+void rerotate_in_place(const RopePlan& plan, const at::Tensor& key, const at::Tensor& delta, const at::Tensor& freqs) {
+  const AngleTables tables = deltas_vary(delta) ? angle_tables(plan, delta, freqs) : AngleTables{};
+  if (key.scalar_type() != at::kHalf) return rerotate_heads(plan, key, delta, freqs.const_data_ptr<float>(), tables);
   at::Tensor rotary = key.narrow(2, 0, 2 * plan.rotary_half);
   at::Tensor work = rotary.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
-  rerotate_heads(plan, work, delta, freqs);
+  rerotate_heads(plan, work, delta, freqs.const_data_ptr<float>(), tables);
   rotary.copy_(work);
 }
 
@@ -253,7 +312,7 @@ void rope_rerotate_cpu(const at::Tensor& key, const at::Tensor& delta, const at:
   const RopePlan plan = plan_rope_rerotate(key, delta, inv_freq, style, mrope_section);
   if (plan.num_tokens == 0 || plan.num_heads == 0) return;
   const at::Tensor freqs = inv_freq.contiguous();
-  rerotate_in_place(plan, key, delta, freqs.const_data_ptr<float>());
+  rerotate_in_place(plan, key, delta, freqs);
 }
 
 void rope_rerotate_write_cpu(const at::Tensor& key, const at::Tensor& delta, const at::Tensor& inv_freq,
@@ -268,7 +327,7 @@ void rope_rerotate_write_cpu(const at::Tensor& key, const at::Tensor& delta, con
   if (key.scalar_type() == at::kHalf) {
     // float16: rotate a copy (vectorised conversions, see rerotate_in_place), then scatter rows.
     const at::Tensor rotated = key.clone(at::MemoryFormat::Contiguous);
-    rerotate_in_place(plan, rotated, delta, freqs.const_data_ptr<float>());
+    rerotate_in_place(plan, rotated, delta, freqs);
     const auto* src = rotated.const_data_ptr<at::Half>();
     auto* dst = key_cache.data_ptr<at::Half>();
     const int64_t cb = key_cache.stride(0), co = key_cache.stride(1), ch = key_cache.stride(2);
@@ -285,13 +344,14 @@ void rope_rerotate_write_cpu(const at::Tensor& key, const at::Tensor& delta, con
   }
   const bool interleaved = plan.style == RopeStyle::kGptj;
   const int64_t rotary_dim = 2 * plan.rotary_half;
+  const AngleTables tables = deltas_vary(delta) ? angle_tables(plan, delta, freqs) : AngleTables{};
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, key.scalar_type(), "rope_rerotate_write_cpu", [&] {
     const scalar_t* src = key.const_data_ptr<scalar_t>();
     scalar_t* dst = key_cache.data_ptr<scalar_t>();
     const int64_t st = key.stride(0), sh = key.stride(1);
     const int64_t cb = key_cache.stride(0), co = key_cache.stride(1), ch = key_cache.stride(2);
     at::parallel_for(0, plan.num_tokens, token_grain(key), [&](int64_t begin, int64_t end) {
-      TokenAngles angles(plan, delta, freqs.const_data_ptr<float>());
+      TokenAngles angles(plan, delta, freqs.const_data_ptr<float>(), tables);
       for (int64_t t = begin; t < end; ++t) {
         if (slot[t] < 0) continue;
         angles.load(t);
