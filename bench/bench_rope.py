@@ -82,7 +82,10 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev, n, h, d = args.device, args.tokens, args.heads, args.head_dim
     half = d // 2
     inv_freq = (1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(dev)
