@@ -6,6 +6,7 @@
 #include "../kernels/copy_blocks.h"
 #include "../kernels/sparse_attention.h"
 #include "../kernels/paged_kv.h"
+#include "../kernels/rope.h"
 
 TORCH_LIBRARY(samcache, m) {
   // Copies block src -> dst in every cache, for each (src, dst) row of block_pairs.
@@ -21,6 +22,12 @@ TORCH_LIBRARY(samcache, m) {
   m.def("paged_gather(Tensor key_cache, Tensor value_cache, Tensor block_table, int num_tokens) -> (Tensor, Tensor)");
   // Copies block src of `src` to block dst of `dst` per row of block_pairs (CPU/GPU tiering).
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_pairs) -> ()");
+  // Moves cached keys [N, H, D] from positions p to p + delta by re-rotating RoPE, in place.
+  m.def("rope_rerotate(Tensor(a!) key, Tensor delta, Tensor inv_freq, str style, int[] mrope_section) -> ()");
+  // The same rotation, written straight into the paged key cache at slot_mapping (key unchanged).
+  m.def(
+      "rope_rerotate_write(Tensor key, Tensor delta, Tensor inv_freq, str style, int[] mrope_section, "
+      "Tensor(a!) key_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(samcache, CPU, m) {
@@ -29,6 +36,8 @@ TORCH_LIBRARY_IMPL(samcache, CPU, m) {
   m.impl("paged_write", &samcache::kernels::paged_write_cpu);
   m.impl("paged_gather", &samcache::kernels::paged_gather_cpu);
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cpu);
+  m.impl("rope_rerotate", &samcache::kernels::rope_rerotate_cpu);
+  m.impl("rope_rerotate_write", &samcache::kernels::rope_rerotate_write_cpu);
 }
 
 #ifdef SAMCACHE_WITH_CUDA
@@ -38,5 +47,7 @@ TORCH_LIBRARY_IMPL(samcache, CUDA, m) {
   m.impl("paged_write", &samcache::kernels::paged_write_cuda);
   m.impl("paged_gather", &samcache::kernels::paged_gather_cuda);
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cuda);
+  m.impl("rope_rerotate", &samcache::kernels::rope_rerotate_cuda);
+  m.impl("rope_rerotate_write", &samcache::kernels::rope_rerotate_write_cuda);
 }
 #endif

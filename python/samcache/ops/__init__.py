@@ -7,6 +7,15 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 
 from samcache.ops.copy_blocks import copy_blocks
 from samcache.ops.paged_kv import paged_gather, paged_write, swap_blocks
+from samcache.ops.rope import rope_rerotate, rope_rerotate_write
 from samcache.ops.sparse_attention import sparse_attention
 
-__all__ = ["copy_blocks", "paged_gather", "paged_write", "sparse_attention", "swap_blocks"]
+__all__ = [
+    "copy_blocks",
+    "paged_gather",
+    "paged_write",
+    "rope_rerotate",
+    "rope_rerotate_write",
+    "sparse_attention",
+    "swap_blocks",
+]
