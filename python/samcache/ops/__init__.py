@@ -6,5 +6,7 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 """
 
 from samcache.ops.copy_blocks import copy_blocks
+from samcache.ops.kv_quant import dequantize_kv_blocks, quantize_kv_blocks
+from samcache.ops.token_merge import token_merge
 
-__all__ = ["copy_blocks"]
+__all__ = ["copy_blocks", "dequantize_kv_blocks", "quantize_kv_blocks", "token_merge"]
