@@ -118,6 +118,52 @@ def test_codes_round_to_nearest_even_like_torch(qtype, dtype):
         assert torch.equal(q.view(torch.int8), want.view(torch.int8))
 
 
+def encoder_sweep():
+    """Every finite e4m3 value, the midpoints between neighbours (ties) and one float32 ulp either
+    side of each midpoint, over [-448, 448]; 448 itself makes the scale exactly 1."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    levels = codes[codes.isfinite()].unique()
+    mids = (levels[1:] + levels[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    return torch.cat([levels, near, torch.tensor([448.0])])
+
+
+def test_fp8_encoder_matches_torch_on_every_tie():
+    values = encoder_sweep()
+    cache = values.reshape(1, 1, 1, -1)
+    q, s = quantize_kv_blocks(cache, torch.tensor([0]), "fp8_e4m3")
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.int8).flatten(), values.to(torch.float8_e4m3fn).view(torch.int8))
+
+
+def test_int8_rounds_ties_to_even():
+    values = torch.cat([torch.arange(-127, 127) + 0.5, torch.tensor([127.0])])
+    q, s = quantize_kv_blocks(values.reshape(1, 1, 1, -1), torch.tensor([0]), "int8")
+    assert s.item() == 1.0
+    assert torch.equal(q.flatten(), values.round().to(torch.int8))
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_every_float16_input_and_output(qtype):
+    """The CPU path has its own float16 conversions: check all of them against torch's."""
+    halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    halves = halves[halves.isfinite()]
+    cache = halves.reshape(1, 1, 1, -1)
+    q, s = quantize_kv_blocks(cache, torch.tensor([0]), qtype)
+    want = (cache.float() * (1.0 / s)).clamp(-QMAX[qtype], QMAX[qtype])
+    want = want.to(torch.float8_e4m3fn) if qtype == "fp8_e4m3" else want.round().to(torch.int8)
+    assert torch.equal(q.view(torch.int8), want.view(torch.int8))
+    # Way back: every code times scales from float16's subnormals to past its overflow.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(QTYPES[qtype])
+    scales = torch.exp2(torch.arange(-40.0, 21.0)) * 1.37
+    out = torch.full((len(scales), 1, 1, 256), float("nan"), dtype=torch.float16)
+    q = codes.reshape(1, 1, 1, 256).expand(len(scales), 1, 1, 256).contiguous()
+    dequantize_kv_blocks(q, scales.float(), out, torch.arange(len(scales)))
+    want = (q.float() * scales[:, None, None, None].float()).to(torch.float16)
+    assert torch.equal(out.isnan(), want.isnan())  # NaN payloads may differ; every other bit may not
+    assert torch.equal(out.view(torch.int16)[~out.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_saturation_zero_blocks_and_exact_zeros(qtype):
     cache = torch.zeros(3, 2, 2, 4)

@@ -126,23 +126,74 @@ KvQuantPlan plan_dequantize_kv_blocks(const at::Tensor& q, const at::Tensor& sca
 
 namespace {
 
-// Round-to-nearest-even float -> e4m3fn code of a finite value already clamped to [-448, 448].
-// Branch-free, so the loops below vectorise.
+// Round to nearest even of |v| < 2^22, as an integer: adding 1.5 * 2^23 leaves the rounded value
+// in the low mantissa bits. No float -> int conversion and no libm call, so loops vectorise.
+inline int32_t round_to_int(float v) { return std::bit_cast<int32_t>(v + 12582912.0f) - 0x4b400000; }
+
+// Saturating, round-to-nearest-even float -> e4m3fn code of a finite value. Branch-free and
+// clamped in the integer domain (a float clamp blocks vectorisation under -ftrapping-math).
 inline uint8_t encode_e4m3(float v) {
   const uint32_t bits = std::bit_cast<uint32_t>(v);
   const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t mag = bits & 0x7fffffffu;
+  const int32_t raw = static_cast<int32_t>(bits & 0x7fffffffu);
+  const uint32_t mag = static_cast<uint32_t>(raw < 0x43e00000 ? raw : 0x43e00000);  // min(|v|, 448)
   // Normal codes (|v| >= 2^-6): round the float mantissa to 3 bits, then rebias the exponent 127 -> 7.
   const uint32_t rounded = mag + 0x7ffffu + ((mag >> 20) & 1u);
   const uint32_t normal_code = (rounded >> 20) - (120u << 3);
   // Subnormal codes are multiples of 2^-9: round |v| * 512 to an integer (8 is the smallest normal).
-  const float scaled = std::bit_cast<float>(mag) * 512.0f;
-  const uint32_t sub_code = static_cast<uint32_t>((scaled + 12582912.0f) - 12582912.0f);
-  return static_cast<uint8_t>(sign | (mag >= 0x3c800000u ? normal_code : sub_code));
+  const uint32_t sub_code = static_cast<uint32_t>(round_to_int(std::bit_cast<float>(mag) * 512.0f));
+  const uint32_t normal_mask = 0u - static_cast<uint32_t>(mag >= 0x3c800000u);
+  return static_cast<uint8_t>(sign | (normal_code & normal_mask) | (sub_code & ~normal_mask));
 }
 
-// Round to nearest even of a value within [-2^22, 2^22], without a libm call.
-inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
+// float16 <-> float32 with integer selects only, so the loops vectorise (c10::Half's own
+// conversions do not at this file's baseline ISA). Other dtypes use their casts.
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float to_float<c10::Half>(c10::Half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.x & 0x8000u) << 16;
+  const uint32_t em = h.x & 0x7fffu;
+  // The half's exponent and mantissa read as float bits are the value times 2^-112, subnormals
+  // included; multiplying by 2^112 rebiases (and normalises) exactly. Inf/NaN get exponent 255.
+  const uint32_t scaled = std::bit_cast<uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
+  const uint32_t inf_nan = (0u - static_cast<uint32_t>(em >= 0x7c00u)) & 0x7f800000u;
+  return std::bit_cast<float>(sign | scaled | inf_nan);
+}
+
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::Half from_float<c10::Half>(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const int32_t mag = static_cast<int32_t>(bits & 0x7fffffffu);
+  // Normal: round the mantissa to 10 bits (nearest even), rebias 127 -> 15, overflow to inf.
+  int32_t normal = ((mag + 0xfff + ((mag >> 13) & 1)) >> 13) - (112 << 10);
+  normal = normal < 0x7c00 ? normal : 0x7c00;
+  // Subnormal (|v| < 2^-14): multiples of 2^-24; 1024 is the smallest normal's code.
+  const int32_t sub = round_to_int(std::bit_cast<float>(mag) * 0x1p24f);
+  // Masks, not selects: a select would move the float multiply above into a branch.
+  const int32_t sub_mask = 0 - static_cast<int32_t>(mag < 0x38800000);
+  const int32_t nan_mask = 0 - static_cast<int32_t>(mag > 0x7f800000);  // NaN stays NaN
+  const int32_t code = (((sub & sub_mask) | (normal & ~sub_mask)) & ~nan_mask) | (0x7e00 & nan_mask);
+  return c10::Half(static_cast<unsigned short>(sign | static_cast<uint32_t>(code)), c10::Half::from_bits());
+}
+
+// Saturating, round-to-nearest-even code of v = x / scale (finite, |v| < 2^22).
+template <KvQuantType Q>
+inline int8_t encode(float v) {
+  if constexpr (Q == KvQuantType::kFp8E4M3) {
+    return static_cast<int8_t>(encode_e4m3(v));
+  } else {
+    const int32_t r = round_to_int(v);
+    return static_cast<int8_t>(r < -127 ? -127 : (r > 127 ? 127 : r));
+  }
+}
 
 std::array<float, 256> make_e4m3_table() {
   std::array<float, 256> t{};
@@ -165,13 +216,13 @@ float run_amax(const T* x, int64_t len) {
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes)
     for (int j = 0; j < kLanes; ++j) {
-      const float v = static_cast<float>(x[i + j]);
+      const float v = to_float(x[i + j]);
       const float a = std::fabs(v);
       amax[j] = a > amax[j] ? a : amax[j];
       poison[j] += v * 0.0f;  // 0 for finite v, NaN for NaN or +-inf
     }
   for (; i < len; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const float v = to_float(x[i]);
     amax[0] = std::fabs(v) > amax[0] ? std::fabs(v) : amax[0];
     poison[0] += v * 0.0f;
   }
@@ -185,28 +236,13 @@ float run_amax(const T* x, int64_t len) {
 
 template <KvQuantType Q, typename T>
 void quantize_run(const T* x, int8_t* out, int64_t len, float inv_scale) {
-  constexpr float qmax = Q == KvQuantType::kFp8E4M3 ? kFp8E4M3Max : kInt8Max;
-  for (int64_t i = 0; i < len; ++i) {
-    float v = static_cast<float>(x[i]) * inv_scale;
-    v = v < -qmax ? -qmax : (v > qmax ? qmax : v);
-    if constexpr (Q == KvQuantType::kFp8E4M3) {
-      out[i] = static_cast<int8_t>(encode_e4m3(v));
-    } else {
-      out[i] = static_cast<int8_t>(static_cast<int32_t>(round_even(v)));
-    }
-  }
+  for (int64_t i = 0; i < len; ++i) out[i] = encode<Q>(to_float(x[i]) * inv_scale);
 }
 
 // Rare path: the float32 scale is subnormal, so 1/scale overflows; divide instead.
 template <KvQuantType Q, typename T>
 void quantize_run_divide(const T* x, int8_t* out, int64_t len, float scale) {
-  constexpr float qmax = Q == KvQuantType::kFp8E4M3 ? kFp8E4M3Max : kInt8Max;
-  for (int64_t i = 0; i < len; ++i) {
-    float v = static_cast<float>(x[i]) / scale;
-    v = v < -qmax ? -qmax : (v > qmax ? qmax : v);
-    out[i] = Q == KvQuantType::kFp8E4M3 ? static_cast<int8_t>(encode_e4m3(v))
-                                        : static_cast<int8_t>(static_cast<int32_t>(round_even(v)));
-  }
+  for (int64_t i = 0; i < len; ++i) out[i] = encode<Q>(to_float(x[i]) / scale);
 }
 
 template <KvQuantType Q, typename T>
@@ -263,7 +299,7 @@ void dequantize_groups(const KvQuantPlan& plan, const int8_t* q, const float* sc
         for (int64_t i = 0; i < plan.row_len; ++i) {
           const float v = Q == KvQuantType::kFp8E4M3 ? kE4M3ToFloat[static_cast<uint8_t>(s[i])]
                                                      : static_cast<float>(s[i]);
-          d[i] = static_cast<T>(v * scale);
+          d[i] = from_float<T>(v * scale);
         }
       }
     }
