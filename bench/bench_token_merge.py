@@ -73,7 +73,7 @@ def main() -> None:
     print("| N x D | dtype | kept | samcache ms | torch ms | speed-up | GB/s | of copy |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for n, d in shapes:
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
             hidden = torch.randn(n, d, device=dev).to(dtype)
             for keep, label in ((0.5, "50%"), (0.25, "25%"), (0.0, "1 anchor")):
                 target, weight = merge_plan(n, keep, dev)

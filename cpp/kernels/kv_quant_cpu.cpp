@@ -10,6 +10,7 @@
 #include <limits>
 #include <unordered_set>
 
+#include "cpu_convert.h"
 #include "kv_quant.h"
 
 namespace samcache::kernels {
@@ -126,10 +127,6 @@ KvQuantPlan plan_dequantize_kv_blocks(const at::Tensor& q, const at::Tensor& sca
 
 namespace {
 
-// Round to nearest even of |v| < 2^22, as an integer: adding 1.5 * 2^23 leaves the rounded value
-// in the low mantissa bits. No float -> int conversion and no libm call, so loops vectorise.
-inline int32_t round_to_int(float v) { return std::bit_cast<int32_t>(v + 12582912.0f) - 0x4b400000; }
-
 // Saturating, round-to-nearest-even float -> e4m3fn code of a finite value. Branch-free and
 // clamped in the integer domain (a float clamp blocks vectorisation under -ftrapping-math).
 inline uint8_t encode_e4m3(float v) {
@@ -144,44 +141,6 @@ inline uint8_t encode_e4m3(float v) {
   const uint32_t sub_code = static_cast<uint32_t>(round_to_int(std::bit_cast<float>(mag) * 512.0f));
   const uint32_t normal_mask = 0u - static_cast<uint32_t>(mag >= 0x3c800000u);
   return static_cast<uint8_t>(sign | (normal_code & normal_mask) | (sub_code & ~normal_mask));
-}
-
-// float16 <-> float32 with integer selects only, so the loops vectorise (c10::Half's own
-// conversions do not at this file's baseline ISA). Other dtypes use their casts.
-template <typename T>
-inline float to_float(T v) {
-  return static_cast<float>(v);
-}
-template <>
-inline float to_float<c10::Half>(c10::Half h) {
-  const uint32_t sign = static_cast<uint32_t>(h.x & 0x8000u) << 16;
-  const uint32_t em = h.x & 0x7fffu;
-  // The half's exponent and mantissa read as float bits are the value times 2^-112, subnormals
-  // included; multiplying by 2^112 rebiases (and normalises) exactly. Inf/NaN get exponent 255.
-  const uint32_t scaled = std::bit_cast<uint32_t>(std::bit_cast<float>(em << 13) * 0x1p112f);
-  const uint32_t inf_nan = (0u - static_cast<uint32_t>(em >= 0x7c00u)) & 0x7f800000u;
-  return std::bit_cast<float>(sign | scaled | inf_nan);
-}
-
-template <typename T>
-inline T from_float(float v) {
-  return static_cast<T>(v);
-}
-template <>
-inline c10::Half from_float<c10::Half>(float v) {
-  const uint32_t bits = std::bit_cast<uint32_t>(v);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  const int32_t mag = static_cast<int32_t>(bits & 0x7fffffffu);
-  // Normal: round the mantissa to 10 bits (nearest even), rebias 127 -> 15, overflow to inf.
-  int32_t normal = ((mag + 0xfff + ((mag >> 13) & 1)) >> 13) - (112 << 10);
-  normal = normal < 0x7c00 ? normal : 0x7c00;
-  // Subnormal (|v| < 2^-14): multiples of 2^-24; 1024 is the smallest normal's code.
-  const int32_t sub = round_to_int(std::bit_cast<float>(mag) * 0x1p24f);
-  // Masks, not selects: a select would move the float multiply above into a branch.
-  const int32_t sub_mask = 0 - static_cast<int32_t>(mag < 0x38800000);
-  const int32_t nan_mask = 0 - static_cast<int32_t>(mag > 0x7f800000);  // NaN stays NaN
-  const int32_t code = (((sub & sub_mask) | (normal & ~sub_mask)) & ~nan_mask) | (0x7e00 & nan_mask);
-  return c10::Half(static_cast<unsigned short>(sign | static_cast<uint32_t>(code)), c10::Half::from_bits());
 }
 
 // Saturating, round-to-nearest-even code of v = x / scale (finite, |v| < 2^22).

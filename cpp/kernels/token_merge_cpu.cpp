@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_convert.h"
 #include "token_merge.h"
 
 namespace samcache::kernels {
@@ -111,11 +112,11 @@ void merge_rows(const TokenMergePlan& plan, const T* hidden, int64_t row_stride,
         const int64_t token = plan.members[j];
         const float w = weight[token];
         const T* x = hidden + token * row_stride + c0;
-        for (int64_t c = 0; c < len; ++c) acc[c] += w * static_cast<float>(x[c]);
+        for (int64_t c = 0; c < len; ++c) acc[c] += w * to_float(x[c]);
       }
       const float sum = plan.weight_sums[r];
       T* o = out + r * dim + c0;
-      for (int64_t c = 0; c < len; ++c) o[c] = static_cast<T>(acc[c] / sum);
+      for (int64_t c = 0; c < len; ++c) o[c] = from_float<T>(acc[c] / sum);
     }
   });
 }
