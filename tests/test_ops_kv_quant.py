@@ -351,3 +351,18 @@ def test_cuda_device_ids_out_of_range_are_skipped():
     dequantize_kv_blocks(q, s, out, ids)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and (out[[0, 3]] == 0).all()
+
+
+@pytest.mark.cuda
+def test_cuda_codes_and_schema():
+    """Every e4m3 tie and every int8 tie round as on the CPU; the CUDA kernels pass opcheck."""
+    values = encoder_sweep().reshape(1, 1, 1, -1)
+    for qtype, x in (("fp8_e4m3", values), ("int8", torch.cat([torch.arange(-127, 127) + 0.5, torch.tensor([127.0])]).reshape(1, 1, 1, -1))):
+        q, s = quantize_kv_blocks(x.cuda(), torch.tensor([0]), qtype)
+        q_cpu, s_cpu = quantize_kv_blocks(x, torch.tensor([0]), qtype)
+        assert torch.equal(q.cpu().view(torch.int8), q_cpu.view(torch.int8)) and torch.equal(s.cpu(), s_cpu)
+    cache = random_cache((6, 4, 2, 8), torch.float16, seed=6, device="cuda")
+    ids = torch.tensor([1, 4, 2], device="cuda")
+    torch.library.opcheck(torch.ops.samcache.quantize_kv_blocks.default, (cache, ids, "int8", True))
+    q, s = quantize_kv_blocks(cache, ids, "int8", True)
+    torch.library.opcheck(torch.ops.samcache.dequantize_kv_blocks.default, (q, s, cache.clone(), ids))

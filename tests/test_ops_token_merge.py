@@ -187,3 +187,10 @@ def test_token_merge_cuda_bad_input_matches_cpu():
         assert str(cpu_err.value).splitlines()[0] == str(cuda_err.value).splitlines()[0]
     with pytest.raises(ValueError):
         token_merge(hidden.cuda(), target, torch.ones(4).cuda())  # mixed devices
+
+
+@pytest.mark.cuda
+def test_token_merge_cuda_opcheck():
+    target, weight = random_plan(64, "random", seed=8)
+    hidden = torch.randn(64, 40, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.samcache.token_merge.default, (hidden.cuda(), target.cuda(), weight.cuda()))

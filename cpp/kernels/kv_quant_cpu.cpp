@@ -166,31 +166,17 @@ std::array<float, 256> make_e4m3_table() {
 }
 const std::array<float, 256> kE4M3ToFloat = make_e4m3_table();
 
-constexpr int kLanes = 16;  // independent accumulators, so the reductions vectorise without -ffast-math
-
-// max |x| over a run, NaN if the run holds a NaN or an infinity.
+// max |x| over a run, as the bits of a float: the bits of non-negative floats order like their
+// values, and every NaN lies above +inf (0x7f800000). An integer max reduction vectorises
+// without -ffast-math, and finds NaN/inf in the same pass.
 template <typename T>
-float run_amax(const T* x, int64_t len) {
-  float amax[kLanes] = {}, poison[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) {
-      const float v = to_float(x[i + j]);
-      const float a = std::fabs(v);
-      amax[j] = a > amax[j] ? a : amax[j];
-      poison[j] += v * 0.0f;  // 0 for finite v, NaN for NaN or +-inf
-    }
-  for (; i < len; ++i) {
-    const float v = to_float(x[i]);
-    amax[0] = std::fabs(v) > amax[0] ? std::fabs(v) : amax[0];
-    poison[0] += v * 0.0f;
+int32_t run_abs_max_bits(const T* x, int64_t len) {
+  int32_t m = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const int32_t b = std::bit_cast<int32_t>(to_float(x[i])) & 0x7fffffff;
+    m = b > m ? b : m;
   }
-  float m = 0.0f, p = 0.0f;
-  for (int j = 0; j < kLanes; ++j) {
-    m = amax[j] > m ? amax[j] : m;
-    p += poison[j];
-  }
-  return std::isnan(p) ? std::numeric_limits<float>::quiet_NaN() : m;
+  return m;
 }
 
 template <KvQuantType Q, typename T>
@@ -217,16 +203,15 @@ void quantize_groups(const KvQuantPlan& plan, const T* cache, int8_t* q, float* 
       const int64_t head_offset = plan.per_head ? h * plan.head_dim : 0;
       const T* src = cache + plan.ids[k] * plan.block_stride + head_offset;
       int8_t* dst = q + k * block_elems + head_offset;
-      float amax = 0.0f;
-      for (int64_t r = 0; r < plan.rows; ++r) {
-        const float a = run_amax(src + r * plan.row_stride, plan.row_len);
-        amax = std::isnan(a) || std::isnan(amax) ? a + amax : std::max(amax, a);
-      }
-      if (std::isnan(amax)) {  // a NaN or an infinity: the whole group is marked invalid
+      int32_t amax_bits = 0;
+      for (int64_t r = 0; r < plan.rows; ++r)
+        amax_bits = std::max(amax_bits, run_abs_max_bits(src + r * plan.row_stride, plan.row_len));
+      if (amax_bits >= 0x7f800000) {  // a NaN or an infinity: the whole group is marked invalid
         scales[g] = std::numeric_limits<float>::quiet_NaN();
         for (int64_t r = 0; r < plan.rows; ++r) std::memset(dst + r * plan.row_stride, 0, plan.row_len);
         continue;
       }
+      const float amax = std::bit_cast<float>(amax_bits);
       const float scale = amax / qmax;
       scales[g] = scale;
       const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;  // all-zero group: q = 0, scale = 0
