@@ -239,6 +239,8 @@ def test_accepts_numpy_ids_and_empty():
     cache = random_cache((3, 2, 1, 4), torch.float32, seed=4)
     q, s = quantize_kv_blocks(cache, np.array([2], dtype=np.int32))
     assert q.shape == (1, 2, 1, 4)
+    q2, s2 = quantize_kv_blocks(cache, torch.tensor([1, 1]), "int8")  # repeats are fine when reading
+    assert torch.equal(q2[0], q2[1]) and s2[0] == s2[1]
     q0, s0 = quantize_kv_blocks(cache, torch.zeros(0, dtype=torch.long), "int8", True)
     assert q0.shape == (0, 2, 1, 4) and s0.shape == (0, 1)
     dequantize_kv_blocks(q0, s0, cache, np.zeros(0, dtype=np.int64))
