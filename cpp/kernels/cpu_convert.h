@@ -8,6 +8,15 @@
 #include <bit>
 #include <cstdint>
 
+// Hot loops also get an AVX2 clone, picked when the extension loads (a GCC ifunc): the extension's
+// baseline is SSE2, and torch dispatches its own CPU kernels to AVX2 likewise. "avx2" enables no
+// FMA, so both clones compute the same bits.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SAMCACHE_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#else
+#define SAMCACHE_AVX2_CLONE
+#endif
+
 namespace samcache::kernels {
 
 // Round to nearest even of |v| < 2^22, as an integer: adding 1.5 * 2^23 leaves the rounded value

@@ -170,7 +170,7 @@ const std::array<float, 256> kE4M3ToFloat = make_e4m3_table();
 // values, and every NaN lies above +inf (0x7f800000). An integer max reduction vectorises
 // without -ffast-math, and finds NaN/inf in the same pass.
 template <typename T>
-int32_t run_abs_max_bits(const T* x, int64_t len) {
+SAMCACHE_AVX2_CLONE int32_t run_abs_max_bits(const T* x, int64_t len) {
   int32_t m = 0;
   for (int64_t i = 0; i < len; ++i) {
     const int32_t b = std::bit_cast<int32_t>(to_float(x[i])) & 0x7fffffff;
@@ -180,7 +180,7 @@ int32_t run_abs_max_bits(const T* x, int64_t len) {
 }
 
 template <KvQuantType Q, typename T>
-void quantize_run(const T* x, int8_t* out, int64_t len, float inv_scale) {
+SAMCACHE_AVX2_CLONE void quantize_run(const T* x, int8_t* out, int64_t len, float inv_scale) {
   for (int64_t i = 0; i < len; ++i) out[i] = encode<Q>(to_float(x[i]) * inv_scale);
 }
 
@@ -226,6 +226,14 @@ void quantize_groups(const KvQuantPlan& plan, const T* cache, int8_t* q, float* 
 }
 
 template <KvQuantType Q, typename T>
+SAMCACHE_AVX2_CLONE void dequantize_run(const int8_t* q, T* out, int64_t len, float scale) {
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = Q == KvQuantType::kFp8E4M3 ? kE4M3ToFloat[static_cast<uint8_t>(q[i])] : static_cast<float>(q[i]);
+    out[i] = from_float<T>(v * scale);
+  }
+}
+
+template <KvQuantType Q, typename T>
 void dequantize_groups(const KvQuantPlan& plan, const int8_t* q, const float* scales, T* cache) {
   const int64_t block_elems = plan.block_size * plan.heads * plan.head_dim;
   const int64_t num_groups = plan.num_ids * plan.groups_per_block;
@@ -237,15 +245,8 @@ void dequantize_groups(const KvQuantPlan& plan, const int8_t* q, const float* sc
       const int8_t* src = q + k * block_elems + head_offset;
       T* dst = cache + plan.ids[k] * plan.block_stride + head_offset;
       const float scale = scales[g];
-      for (int64_t r = 0; r < plan.rows; ++r) {
-        const int8_t* s = src + r * plan.row_stride;
-        T* d = dst + r * plan.row_stride;
-        for (int64_t i = 0; i < plan.row_len; ++i) {
-          const float v = Q == KvQuantType::kFp8E4M3 ? kE4M3ToFloat[static_cast<uint8_t>(s[i])]
-                                                     : static_cast<float>(s[i]);
-          d[i] = from_float<T>(v * scale);
-        }
-      }
+      for (int64_t r = 0; r < plan.rows; ++r)
+        dequantize_run<Q>(src + r * plan.row_stride, dst + r * plan.row_stride, plan.row_len, scale);
     }
   });
 }

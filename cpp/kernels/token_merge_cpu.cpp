@@ -94,6 +94,12 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // columns one task accumulates at once (stays in L1)
 
+// The hot loop: acc += w * x over one chunk of a member row.
+template <typename T>
+SAMCACHE_AVX2_CLONE void accumulate(float* acc, const T* x, float w, int64_t len) {
+  for (int64_t c = 0; c < len; ++c) acc[c] += w * to_float(x[c]);
+}
+
 template <typename T>
 void merge_rows(const TokenMergePlan& plan, const T* hidden, int64_t row_stride, int64_t dim, const float* weight,
                 T* out) {
@@ -112,7 +118,7 @@ void merge_rows(const TokenMergePlan& plan, const T* hidden, int64_t row_stride,
         const int64_t token = plan.members[j];
         const float w = weight[token];
         const T* x = hidden + token * row_stride + c0;
-        for (int64_t c = 0; c < len; ++c) acc[c] += w * to_float(x[c]);
+        accumulate(acc, x, w, len);
       }
       const float sum = plan.weight_sums[r];
       T* o = out + r * dim + c0;
