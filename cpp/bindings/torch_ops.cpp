@@ -7,6 +7,8 @@
 #include "../kernels/sparse_attention.h"
 #include "../kernels/paged_kv.h"
 #include "../kernels/rope.h"
+#include "../kernels/kv_quant.h"
+#include "../kernels/token_merge.h"
 
 TORCH_LIBRARY(samcache, m) {
   // Copies block src -> dst in every cache, for each (src, dst) row of block_pairs.
@@ -28,6 +30,12 @@ TORCH_LIBRARY(samcache, m) {
   m.def(
       "rope_rerotate_write(Tensor key, Tensor delta, Tensor inv_freq, str style, int[] mrope_section, "
       "Tensor(a!) key_cache, Tensor slot_mapping) -> ()");
+  // Quantizes cache blocks to fp8 e4m3 or int8 with one float32 scale per block (or per block and head).
+  m.def("quantize_kv_blocks(Tensor cache, Tensor block_ids, str qtype, bool per_head) -> (Tensor, Tensor)");
+  // Writes q * scale back into the given cache blocks, in the cache's dtype.
+  m.def("dequantize_kv_blocks(Tensor q, Tensor scales, Tensor(a!) cache, Tensor block_ids) -> ()");
+  // Merges every token into its anchor by weighted average; returns (merged, kept_index).
+  m.def("token_merge(Tensor hidden, Tensor target, Tensor weight) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(samcache, CPU, m) {
@@ -38,6 +46,9 @@ TORCH_LIBRARY_IMPL(samcache, CPU, m) {
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cpu);
   m.impl("rope_rerotate", &samcache::kernels::rope_rerotate_cpu);
   m.impl("rope_rerotate_write", &samcache::kernels::rope_rerotate_write_cpu);
+  m.impl("quantize_kv_blocks", &samcache::kernels::quantize_kv_blocks_cpu);
+  m.impl("dequantize_kv_blocks", &samcache::kernels::dequantize_kv_blocks_cpu);
+  m.impl("token_merge", &samcache::kernels::token_merge_cpu);
 }
 
 #ifdef SAMCACHE_WITH_CUDA
@@ -49,5 +60,8 @@ TORCH_LIBRARY_IMPL(samcache, CUDA, m) {
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cuda);
   m.impl("rope_rerotate", &samcache::kernels::rope_rerotate_cuda);
   m.impl("rope_rerotate_write", &samcache::kernels::rope_rerotate_write_cuda);
+  m.impl("quantize_kv_blocks", &samcache::kernels::quantize_kv_blocks_cuda);
+  m.impl("dequantize_kv_blocks", &samcache::kernels::dequantize_kv_blocks_cuda);
+  m.impl("token_merge", &samcache::kernels::token_merge_cuda);
 }
 #endif

@@ -6,16 +6,21 @@ and registers the op's fake (meta) implementation so it traces under ``torch.com
 """
 
 from samcache.ops.copy_blocks import copy_blocks
+from samcache.ops.kv_quant import dequantize_kv_blocks, quantize_kv_blocks
 from samcache.ops.paged_kv import paged_gather, paged_write, swap_blocks
 from samcache.ops.rope import rope_rerotate, rope_rerotate_write
 from samcache.ops.sparse_attention import sparse_attention
+from samcache.ops.token_merge import token_merge
 
 __all__ = [
     "copy_blocks",
+    "dequantize_kv_blocks",
     "paged_gather",
     "paged_write",
+    "quantize_kv_blocks",
     "rope_rerotate",
     "rope_rerotate_write",
     "sparse_attention",
     "swap_blocks",
+    "token_merge",
 ]
