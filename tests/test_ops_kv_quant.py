@@ -291,6 +291,12 @@ def test_bad_input():
         with pytest.raises(exc):
             call()
         assert (target == 0).all(), "a rejected call must not write"
+    # Caches whose blocks share memory would turn writes to distinct ids into a race.
+    shared = torch.zeros(1, 2, 2, 4).expand(4, 2, 2, 4)
+    overlapping = torch.zeros(64).as_strided((4, 2, 2, 4), (4, 8, 4, 1))
+    for bad_cache in (shared, overlapping):
+        with pytest.raises(ValueError, match="overlap"):
+            dequantize_kv_blocks(q, s, bad_cache, ids)
 
 
 def test_opcheck_and_compile():

@@ -45,6 +45,12 @@ void check_cache(const char* op, const at::Tensor& cache, KvQuantPlan& plan) {
     TORCH_CHECK_VALUE(cache.size(d) <= 1 || cache.stride(d) == expected[d - 1], op,
                       ": each cache block must be contiguous, got strides ", cache.strides());
   plan.block_stride = cache.stride(0);
+  // Blocks must not share memory (an expanded or as_strided cache): writes to distinct ids
+  // would race on the same bytes.
+  const int64_t block_elems = plan.block_size * plan.heads * plan.head_dim;
+  TORCH_CHECK_VALUE(plan.num_blocks <= 1 || block_elems == 0 || plan.block_stride >= block_elems, op,
+                    ": cache blocks overlap in memory (block stride ", plan.block_stride, " < ", block_elems,
+                    " elements per block)");
 }
 
 void check_block_ids(const char* op, const at::Tensor& block_ids, const at::Tensor& cache, KvQuantPlan& plan,
