@@ -19,21 +19,7 @@ import torch
 import samcache  # noqa: F401  (loads the ops)
 from samcache.ops import paged_gather, paged_write, swap_blocks
 
-
-def best_time(fn, device: str, repeat: int, inner: int) -> float:
-    """Best per-call seconds over `repeat` timings of `inner` back-to-back calls."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+from timing import best_seconds  # bench/timing.py
 
 
 def copy_ceiling(kind: str, repeat: int) -> float:
@@ -42,7 +28,7 @@ def copy_ceiling(kind: str, repeat: int) -> float:
     gpu = torch.empty(n, dtype=torch.float16, device="cuda")
     other = torch.empty_like(gpu) if kind == "d2d" else torch.empty(n, dtype=torch.float16).pin_memory()
     dst, src = {"d2d": (other, gpu), "d2h": (other, gpu), "h2d": (gpu, other)}[kind]
-    seconds = best_time(lambda: dst.copy_(src, non_blocking=True), "cuda", repeat, 1)
+    seconds = best_seconds(lambda: dst.copy_(src, non_blocking=True), "cuda", repeat, warmup=3)
     del gpu, other
     return 2 * (1 << 30) / seconds / 1e9
 
@@ -148,8 +134,8 @@ def main() -> None:
     print(rule)
     for op, label, ours, composed, nbytes, ceiling in cases(args.device, dtype, args.quick):
         inner = 20 if cuda else 3
-        t_ours = best_time(ours, args.device, repeat, inner)
-        t_torch = best_time(composed, args.device, repeat, inner)
+        t_ours = best_seconds(ours, args.device, repeat, warmup=3, inner=inner)
+        t_torch = best_seconds(composed, args.device, repeat, warmup=3, inner=inner)
         line = f"| {op} | {label} | {t_ours * 1e6:.1f} | {t_torch * 1e6:.1f} | {t_torch / t_ours:.2f}x |"
         if cuda:
             gbs = nbytes / t_ours / 1e9

@@ -17,27 +17,7 @@ import torch
 
 import samcache.ops  # noqa: F401  (registers the ops)
 
-
-def timeit(fn, device, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(reps):
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            best = min(best, start.elapsed_time(stop) / 1e3)
-        return best
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from timing import best_seconds, copy_bandwidth  # bench/timing.py
 
 
 def frequency_axes(style, section, half):
@@ -69,13 +49,6 @@ def torch_rotated(key, delta, inv_freq, style, section):
     return out if rd == key.shape[-1] else torch.cat([out, key[..., rd:]], -1)
 
 
-def copy_gbps(device):
-    n = (1 << 30) // 4
-    x, y = torch.empty(n, device=device), torch.empty(n, device=device)
-    seconds = timeit(lambda: x.copy_(y), device, reps=10)
-    return 2 * n * 4 / seconds / 1e9
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -89,7 +62,7 @@ def main():
     dev, n, h, d = args.device, args.tokens, args.heads, args.head_dim
     half = d // 2
     inv_freq = (1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(dev)
-    peak = copy_gbps(dev) if dev == "cuda" else None
+    peak = copy_bandwidth(dev) if dev == "cuda" else None
     threads = torch.get_num_threads()
     print(f"device {dev}, {n} tokens x {h} heads x {d} dims, {threads} threads"
           + (f", device copy {peak:.0f} GB/s" if peak else ""))
@@ -122,7 +95,7 @@ def main():
                     ),
                 }
                 for name, (ours, theirs) in ops.items():
-                    t_ours, t_torch = timeit(ours, dev), timeit(theirs, dev)
+                    t_ours, t_torch = best_seconds(ours, dev, 20, warmup=3), best_seconds(theirs, dev, 20, warmup=3)
                     row = (f"| {name} | {style} | {str(dtype).removeprefix('torch.')} | {deltas} | "
                            f"{t_ours * 1e6:.0f} | {t_torch * 1e6:.0f} | {t_torch / t_ours:.2f} |")
                     if peak:

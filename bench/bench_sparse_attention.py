@@ -12,25 +12,12 @@ Usage: python bench/bench_sparse_attention.py [--device cuda] [--keys N] [--quic
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from samcache.ops import sparse_attention
 
-
-def timed(fn, device: str, reps: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from timing import best_seconds  # bench/timing.py
 
 
 def main() -> None:
@@ -43,7 +30,7 @@ def main() -> None:
     n = args.keys or (32768 if dev == "cuda" else (2048 if args.quick else 8192))
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     hq, hkv, d, bs = (28, 4, 128, 16) if dev == "cuda" else (8, 2, 64, 16)
-    reps = 3 if dev == "cpu" else 20
+    reps = 5 if dev == "cpu" else 20
     gen = torch.Generator().manual_seed(0)
     nb = n // bs
     kc = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype).to(dev)
@@ -57,7 +44,7 @@ def main() -> None:
 
     k_full = kc[table.long()].flatten(0, 1)[:n].transpose(0, 1)
     v_full = vc[table.long()].flatten(0, 1)[:n].transpose(0, 1)
-    full = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+    full = best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
         q_all.transpose(0, 1), k_full, v_full, is_causal=True, scale=scale, enable_gqa=True), dev, reps)
 
     for density in (0.02, 0.05, 0.2):
@@ -75,7 +62,7 @@ def main() -> None:
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-        t_op, t_comp = timed(op, dev, reps), timed(composed, dev, reps)
+        t_op, t_comp = best_seconds(op, dev, reps), best_seconds(composed, dev, reps)
         print(f"| {density:.0%} | {nq} | {t_op * 1e3:.2f} ms | {t_comp * 1e3:.2f} ms | {t_comp / t_op:.2f}x faster "
               f"| {t_op / full:.3f} | {1.3 * density:.3f} |")
     print(f"\nfull causal SDPA over all {n} tokens: {full * 1e3:.2f} ms")

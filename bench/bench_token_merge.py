@@ -18,28 +18,7 @@ import torch
 import samcache  # noqa: F401  (loads the ops)
 from samcache.ops import token_merge
 
-
-def best_seconds(fn, device: str, reps: int) -> float:
-    """Fastest of `reps` timed calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def copy_bandwidth(device: str, reps: int) -> float:
-    """GB/s of x.copy_(y) over ~1 GiB (bytes read + written): the device's practical ceiling."""
-    n = (1 << 30) // 4 if device == "cuda" else (64 << 20) // 4
-    x, y = torch.empty(n, device=device), torch.ones(n, device=device)
-    return 2 * n * 4 / best_seconds(lambda: x.copy_(y), device, reps) / 1e9
+from timing import best_seconds, copy_bandwidth  # bench/timing.py
 
 
 def torch_token_merge(hidden, target, weight):

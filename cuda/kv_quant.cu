@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "dtype.cuh"
 #include "kv_quant.cuh"
 
 namespace samcache::cuda {
@@ -17,21 +18,6 @@ namespace {
 constexpr int kRegVecs = 8;
 constexpr int kMaxQuantThreads = 512;  // with __launch_bounds__, keeps the register cache within the file
 
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// VEC elements of T, moved as one unit (16 bytes when VEC * sizeof(T) == 16).
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
 template <int VEC>
 struct alignas(VEC) Bytes {
   uint8_t v[VEC];

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dtype.cuh"
 #include "rope.cuh"
 
 namespace samcache::cuda {
@@ -33,24 +34,6 @@ __device__ __forceinline__ void rope_cos_sin(int64_t delta, float inv_freq, floa
   sincosf(static_cast<float>(reduced), s, c);
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // N elements at p as floats, in N / VEC accesses of VEC elements (16 bytes when VEC > 1).
 template <typename T, int VEC, int N>

@@ -15,6 +15,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "dtype.cuh"
 #include "sparse_attention.cuh"
 
 namespace samcache::cuda {
@@ -27,12 +28,6 @@ constexpr int kMaxGroup = 8;                  // query heads per CTA
 constexpr int kMaxDimsPerLane = 256 / 32;     // output dims a lane owns
 constexpr int kMinKeysPerSplit = 512;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 // Loads 8 consecutive elements (16 bytes for 2-byte types, two 16-byte loads for float).
 template <typename T>
@@ -204,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SparseAttentionParams p
     const int64_t head = head0 + g;
     if (p.num_splits == 1) {
       T* out = static_cast<T*>(p.out) + (query * p.num_q_heads + head) * D;
-      store(out + d, bad || L == 0.f ? __int_as_float(0x7fffffff) : acc / L);
+      out[d] = from_float<T>(bad || L == 0.f ? __int_as_float(0x7fffffff) : acc / L);
       if (d == 0) p.lse[query * p.num_q_heads + head] = bad || L == 0.f ? __int_as_float(0x7fffffff) : M + __logf(L);
     } else {
       const int64_t slot = (split * p.num_queries + query) * p.num_q_heads + head;
@@ -239,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(SparseAttentionParams
     float acc = 0.f;
     for (int s = 0; s < p.num_splits; ++s)
       acc += p.partial_o[(s * stride + base) * D + d] * __expf(p.partial_ml[2 * (s * stride + base)] - M);
-    store(out + d, bad || L == 0.f ? __int_as_float(0x7fffffff) : acc / L);
+    out[d] = from_float<T>(bad || L == 0.f ? __int_as_float(0x7fffffff) : acc / L);
   }
   if (threadIdx.x == 0) p.lse[base] = bad || L == 0.f ? __int_as_float(0x7fffffff) : M + __logf(L);
 }

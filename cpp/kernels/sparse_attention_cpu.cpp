@@ -75,8 +75,9 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
 
 namespace {
 
-constexpr int64_t kQueryTile = 32;  // queries per task: their G heads form the rows of a GEMM
-constexpr int64_t kKeyChunk = 256;  // keys gathered from the paged cache per step
+constexpr int64_t kQueryTile = 64;  // queries per task: their G heads form the rows of a GEMM
+constexpr int64_t kKeyChunk = 512;  // keys gathered from the paged cache per step
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Which key chunks some query of the tile can see (causal, optional window): the chunks the
 // task computes. Everything else is skipped: this is what makes the op block-sparse.
@@ -106,6 +107,7 @@ void attend_cpu(const SparseAttentionShape& s, const at::Tensor& qf, const std::
   at::parallel_for(0, Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     at::Tensor Q = at::empty({kQueryTile * G, D}, f32), K = at::empty({kKeyChunk, D}, f32),
                V = at::empty({kKeyChunk, D}, f32), O = at::empty({kQueryTile * G, D}, f32);
+    at::Tensor shift_buf = at::empty({kQueryTile * G}, f32), alpha_buf = at::empty({kQueryTile * G}, f32);
     std::vector<float> m(kQueryTile * G), l(kQueryTile * G);
     std::vector<int64_t> rows_index(kQueryTile);
     for (int64_t task = begin; task < end; ++task) {
@@ -117,7 +119,7 @@ void attend_cpu(const SparseAttentionShape& s, const at::Tensor& qf, const std::
         rows_index[i] = qidx[qi];
         std::copy_n(q + (qi * s.num_q_heads + h * G) * D, G * D, Qp + i * G * D);
       }
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(m.begin(), m.end(), -kInf);
       std::fill(l.begin(), l.end(), 0.f);
       O.zero_();
       const at::Tensor Qrows = Q.narrow(0, 0, rows);
@@ -133,36 +135,41 @@ void attend_cpu(const SparseAttentionShape& s, const at::Tensor& qf, const std::
             Vp[j * D + d] = static_cast<float>(vc[off + d]);
           }
         }
+        // Logits, then the softmax update, on whole [rows, n] tensors: ATen's vectorised
+        // exp/tanh/amax/sum (scalar loops over every logit dominated small problems).
         at::Tensor S = Qrows.mm(K.narrow(0, 0, n).t());  // [rows, n]
+        if (cap > 0) {
+          S.mul_(scale / cap).tanh_().mul_(cap);
+        } else {
+          S.mul_(scale);
+        }
         float* Sp = S.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r) {  // keys outside [lo, qi] are two contiguous runs
+          const int64_t qi = rows_index[r / G];
+          const int64_t lo = s.window > 0 ? qi - s.window + 1 : 0;
+          const int64_t first = std::clamp<int64_t>(lo - c0, 0, n), last = std::clamp<int64_t>(qi - c0 + 1, 0, n);
+          float* srow = Sp + r * n;
+          std::fill(srow, srow + first, -kInf);
+          std::fill(srow + std::max(first, last), srow + n, -kInf);
+        }
+        const at::Tensor chunk_max = S.amax(1);
+        const float* cm = chunk_max.data_ptr<float>();
+        float* shift = shift_buf.data_ptr<float>();
+        float* alpha = alpha_buf.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r) {
+          const float m_new = std::max(m[r], cm[r]);
+          alpha[r] = m_new == -kInf ? 1.f : std::exp(m[r] - m_new);  // exp(-inf) = 0 on first sight
+          shift[r] = m_new == -kInf ? 0.f : m_new;  // all-masked rows: exp(-inf - 0) = 0, not NaN
+          m[r] = m_new;
+        }
+        S.sub_(shift_buf.narrow(0, 0, rows).unsqueeze(1)).exp_();  // P, unnormalised
+        const at::Tensor row_sum = S.sum(1);
+        const float* rs = row_sum.data_ptr<float>();
         float* Op = O.data_ptr<float>();
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qi = rows_index[r / G];
-          float* srow = Sp + r * n;
-          float row_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t tok = c0 + j;
-            float x = srow[j] * scale;
-            if (cap > 0) x = cap * std::tanh(x / cap);
-            const bool visible = tok <= qi && (s.window <= 0 || tok > qi - s.window);
-            srow[j] = visible ? x : -std::numeric_limits<float>::infinity();
-            row_max = std::max(row_max, srow[j]);
-          }
-          const float m_new = std::max(m[r], row_max);
-          if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
-            std::fill(srow, srow + n, 0.f);
-            continue;
-          }
-          const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            srow[j] = std::exp(srow[j] - m_new);
-            sum += srow[j];
-          }
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
-          if (alpha != 1.f)
-            for (int64_t d = 0; d < D; ++d) Op[r * D + d] *= alpha;
+          l[r] = l[r] * alpha[r] + rs[r];
+          if (alpha[r] != 1.f)
+            for (int64_t d = 0; d < D; ++d) Op[r * D + d] *= alpha[r];
         }
         O.narrow(0, 0, rows).addmm_(S, V.narrow(0, 0, n));  // O += P @ V
       }
