@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench clean
+.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
 
 venv: .venv/.ready
 .venv/.ready: | sysdeps
@@ -66,6 +66,21 @@ bench: install
 demo: install
 	$(BUILD)/samcache_bench_core --quick
 	$(PY) -m samcache.demo
+
+# For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages the one
+# build input it lacks (xxhash.h) in .gpu/ (git-ignored; carry it), then `make gpu` there builds
+# against that machine's torch (no C++ tests: no GoogleTest there), runs every CUDA test and the
+# kernel benchmarks with --device cuda. Results go to $(OUT) when it is set.
+gpu-prep: sysdeps
+	mkdir -p .gpu/include && cp /usr/include/xxhash.h .gpu/include/
+
+GPU_PY ?= python3
+gpu:
+	SAMCACHE_CUDA=on SAMCACHE_XXHASH_INCLUDE=$(CURDIR)/.gpu/include \
+	  $(GPU_PY) -m pip install -q --no-build-isolation --no-deps .
+	cd tests && $(GPU_PY) -m pytest -q -m cuda . 2>&1 | tee $${OUT:-/tmp}/gpu-tests.txt
+	for b in paged_kv rope kv_quant token_merge sparse_attention; do \
+	  $(GPU_PY) bench/bench_$$b.py --device cuda 2>&1 | tee $${OUT:-/tmp}/gpu-bench-$$b.txt; done
 
 clean:
 	rm -rf build .venv
