@@ -1,0 +1,118 @@
+"""Layer-aware recompute budget: the DP solver against brute force, constraints, bad input."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from samcache.recompute import (
+    SensitivityCurves,
+    probe_layer_sensitivity,
+    solve_layer_budget,
+    uniform_layer_budget,
+)
+
+GRID = [0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]  # multiples of the solver's 0.5% unit: exact
+
+
+def brute_force(curves, total_rate):
+    """Every non-increasing assignment of probed rates to layers; the best within budget."""
+    L, R = curves.loss.shape
+    best = (np.inf, None)
+    for combo in itertools.combinations_with_replacement(range(R - 1, -1, -1), L):  # non-increasing
+        rates = curves.rates[list(combo)]
+        if rates.mean() <= total_rate + 1e-12:
+            loss = curves.loss[np.arange(L), list(combo)].sum()
+            if loss < best[0] - 1e-12:
+                best = (loss, rates)
+    return best
+
+
+@st.composite
+def curves_strategy(draw):
+    layers = draw(st.integers(1, 5))
+    r = draw(st.integers(1, 5))
+    rates = np.array(GRID[:r])
+    # loss falls as the rate grows (as a probe measures it), at a random pace per layer
+    start = np.array(draw(st.lists(st.floats(0.0, 10.0), min_size=layers, max_size=layers)))
+    drops = np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=layers * r, max_size=layers * r))).reshape(layers, r)
+    loss = np.maximum(start[:, None] - np.cumsum(drops * start[:, None], axis=1) / r, 0.0)
+    return SensitivityCurves(rates=rates, loss=loss)
+
+
+@given(curves=curves_strategy(), total=st.sampled_from([0.0, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0]))
+def test_matches_brute_force_and_respects_constraints(curves, total):
+    got = solve_layer_budget(curves, total)
+    want_loss, _ = brute_force(curves, total)
+    assert got.expected_loss == pytest.approx(want_loss, abs=1e-9)
+    assert np.all(np.diff(got.rates) <= 0), "rates must not increase with depth"
+    assert got.mean_rate <= total + 1e-12
+    assert got.expected_loss == pytest.approx(curves.loss[np.arange(curves.num_layers), [list(curves.rates).index(r) for r in got.rates]].sum())
+    assert got.expected_loss <= uniform_layer_budget(curves, total).expected_loss + 1e-9
+
+
+def test_beats_greedy_where_a_shallow_layer_must_rise_first():
+    """Layer 0 gains little from recompute, layer 1 a lot; monotonicity means layer 1 can only
+    rise as far as layer 0. A greedy step by gain per unit would never raise layer 0."""
+    rates = np.array([0.0, 0.1])
+    loss = np.array([[1.0, 0.99], [5.0, 0.0]])
+    best = solve_layer_budget(SensitivityCurves(rates, loss), 0.1)
+    assert best.rates.tolist() == [0.1, 0.1] and best.expected_loss == pytest.approx(0.99)
+
+
+def test_real_size_is_fast_and_budgeted():
+    rng = np.random.default_rng(0)
+    L = 48
+    sens = rng.uniform(0.1, 2.0, L) * np.linspace(2.0, 0.5, L)  # early layers matter more
+    rates = np.array(GRID)
+    loss = sens[:, None] * np.exp(-rates[None, :] * 40)
+    best = solve_layer_budget(SensitivityCurves(rates, loss), 0.05)
+    assert best.mean_rate <= 0.05 + 1e-12 and np.all(np.diff(best.rates) <= 0)
+    assert best.expected_loss < uniform_layer_budget(SensitivityCurves(rates, loss), 0.05).expected_loss
+    assert best.tokens_per_layer(1196)[0] >= best.tokens_per_layer(1196)[-1]
+
+
+def test_unprobed_rates_are_charged_conservatively():
+    curves = SensitivityCurves(np.array([0.0, 0.0333]), np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]))
+    best = solve_layer_budget(curves, 0.0333)  # 0.0333 costs 7 units of 0.5%, the budget 19.98 -> 19 units
+    assert best.mean_rate <= 0.0333 and best.rates.tolist() == [0.0333, 0.0333, 0.0]
+
+
+def test_probe_builds_curves_with_one_run_per_cell():
+    calls = []
+
+    def measure(layer, rate):
+        calls.append((layer, rate))
+        return (layer + 1) * (1 - rate)
+
+    curves = probe_layer_sensitivity(measure, 3, rates=(0.0, 0.5, 1.0), progress=False)
+    assert len(calls) == 9 and curves.loss.shape == (3, 3)
+    assert curves.loss[2, 1] == pytest.approx(1.5)
+
+
+def test_bad_input():
+    ok = SensitivityCurves(np.array([0.0, 0.1]), np.ones((2, 2)))
+    with pytest.raises(ValueError):
+        SensitivityCurves(np.array([0.1, 0.2]), np.ones((2, 2)))  # must start at 0
+    with pytest.raises(ValueError):
+        SensitivityCurves(np.array([0.0, 0.0]), np.ones((2, 2)))
+    with pytest.raises(ValueError):
+        SensitivityCurves(np.array([0.0, 1.5]), np.ones((2, 2)))
+    with pytest.raises(ValueError):
+        SensitivityCurves(np.array([0.0, 0.1]), np.ones((2, 3)))
+    with pytest.raises(ValueError):
+        SensitivityCurves(np.array([0.0, 0.1]), np.array([[1.0, np.nan]]))
+    with pytest.raises(ValueError):
+        solve_layer_budget(ok, 1.5)
+    with pytest.raises(ValueError):
+        solve_layer_budget(ok, -0.1)
+    with pytest.raises(TypeError):
+        solve_layer_budget("curves", 0.05)
+    with pytest.raises(ValueError):
+        solve_layer_budget(ok, 0.05, resolution=0)
+    with pytest.raises(TypeError):
+        probe_layer_sensitivity(None, 2)
+    with pytest.raises(ValueError):
+        probe_layer_sensitivity(lambda l, r: 0.0, 0)
