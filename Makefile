@@ -15,6 +15,7 @@ venv: .venv/.ready
 	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else $(PIP) torch==2.13.0; fi
 	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm pytest hypothesis
+	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
 # A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
@@ -39,8 +40,9 @@ install: sysdeps venv
 CUDA_STUB := build/cuda-stub
 cuda-check: venv
 ifneq ($(NVCC),)
-	@for f in cuda/*.cu; do echo "nvcc -c -arch=sm_90 $$f"; \
-	  $(NVCC) -c -arch=sm_90 -std=c++20 -Icuda -Icpp/include "$$f" -o /dev/null || exit 1; done
+	@cutlass=$$($(PY) -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"); \
+	for f in cuda/*.cu; do echo "nvcc -c -arch=sm_90 $$f"; \
+	  $(NVCC) -c -arch=sm_90 -std=c++20 --expt-relaxed-constexpr -Icuda -Icpp/include -I$$cutlass "$$f" -o /dev/null || exit 1; done
 	@mkdir -p $(CUDA_STUB)/c10/cuda/impl && echo '#pragma once' > $(CUDA_STUB)/c10/cuda/impl/cuda_cmake_macros.h
 	@inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))"); \
 	cuda_inc=$$($(NVCC) --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$$ INCLUDES="\(.*\)" *$$/\1/p'); \
@@ -68,14 +70,16 @@ demo: install
 	$(PY) -m samcache.demo
 
 # For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages the one
-# build input it lacks (xxhash.h) in .gpu/ (git-ignored; carry it), then `make gpu` there builds
+# build inputs it lacks (xxhash.h, the nvidia-cutlass wheel) in .gpu/ (git-ignored; carry it), then `make gpu` there builds
 # against that machine's torch (no C++ tests: no GoogleTest there), runs every CUDA test and the
 # kernel benchmarks with --device cuda. Results go to $(OUT) when it is set.
-gpu-prep: sysdeps
+gpu-prep: sysdeps venv
 	mkdir -p .gpu/include && cp /usr/include/xxhash.h .gpu/include/
+	$(PY) -m pip download -q --no-deps -d .gpu nvidia-cutlass==4.2.0.0
 
 GPU_PY ?= python3
 gpu:
+	$(GPU_PY) -m pip install -q --no-deps .gpu/nvidia_cutlass-*.whl
 	SAMCACHE_CUDA=on SAMCACHE_XXHASH_INCLUDE=$(CURDIR)/.gpu/include \
 	  $(GPU_PY) -m pip install -q --no-build-isolation --no-deps .
 	cd tests && $(GPU_PY) -m pytest -q -m cuda . 2>&1 | tee $${OUT:-/tmp}/gpu-tests.txt

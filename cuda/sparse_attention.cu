@@ -250,10 +250,13 @@ cudaError_t launch(const SparseAttentionParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
   }
   split_kernel<T><<<grid, kThreads, smem, stream>>>(p);
-  if (p.num_splits > 1) {
-    const dim3 grid2(static_cast<unsigned>(p.num_queries), static_cast<unsigned>(p.num_q_heads));
-    combine_kernel<T><<<grid2, kThreads, 0, stream>>>(p);
-  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_combine(const SparseAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_queries), static_cast<unsigned>(p.num_q_heads));
+  combine_kernel<T><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -275,10 +278,22 @@ cudaError_t sparse_attention(const SparseAttentionParams& p, AttnDType dtype, cu
   if (p.head_dim % 8 != 0 || p.head_dim > kSparseAttentionMaxHeadDim || p.num_queries > 0x7fffffff ||
       p.num_splits < 1 || p.num_splits > 65535 || head_groups > 65535 || p.num_q_heads > 65535)
     return cudaErrorInvalidValue;
+  cudaError_t e = cudaErrorInvalidValue;
   switch (dtype) {
-    case AttnDType::kFloat32: return launch<float>(p, stream);
-    case AttnDType::kFloat16: return launch<__half>(p, stream);
-    case AttnDType::kBFloat16: return launch<__nv_bfloat16>(p, stream);
+    case AttnDType::kFloat32: e = launch<float>(p, stream); break;
+    case AttnDType::kFloat16: e = launch<__half>(p, stream); break;
+    case AttnDType::kBFloat16: e = launch<__nv_bfloat16>(p, stream); break;
+  }
+  if (e != cudaSuccess || p.num_splits == 1) return e;
+  return sparse_attention_combine(p, dtype, stream);
+}
+
+cudaError_t sparse_attention_combine(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream) {
+  if (p.num_queries == 0 || p.num_q_heads == 0 || p.num_splits == 1) return cudaSuccess;
+  switch (dtype) {
+    case AttnDType::kFloat32: return launch_combine<float>(p, stream);
+    case AttnDType::kFloat16: return launch_combine<__half>(p, stream);
+    case AttnDType::kBFloat16: return launch_combine<__nv_bfloat16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -16,6 +16,7 @@ enum class AttnDType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 struct SparseAttentionParams {
   const void* q;
   const int64_t* q_index;
+  const int64_t* query_order;  // tensor-core path: queries sorted by index (nullptr otherwise)
   const void* key_cache;
   const void* value_cache;
   const void* block_table;  // int32 or int64 (block_table_int64): never narrowed on the host
@@ -42,5 +43,15 @@ int sparse_attention_num_splits(int64_t num_queries, int64_t num_kv_heads, int64
                                 int num_sms);
 
 cudaError_t sparse_attention(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream);
+
+// Merges per-split partial results (partial_o, partial_ml) into out and lse.
+cudaError_t sparse_attention_combine(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream);
+
+// Tensor-core path (cuda/sparse_attention_tc.cu): bf16/fp16, head_dim 64 or 128, needs
+// query_order. Splits are counted for its 64-row tiles.
+bool sparse_attention_tc_supported(int64_t head_dim, AttnDType dtype);
+int sparse_attention_tc_num_splits(int64_t num_queries, int64_t num_kv_heads, int64_t num_q_heads, int64_t max_keys,
+                                   int num_sms);
+cudaError_t sparse_attention_tc(const SparseAttentionParams& p, AttnDType dtype, cudaStream_t stream);
 
 }  // namespace samcache::cuda

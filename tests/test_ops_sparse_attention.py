@@ -164,7 +164,11 @@ def test_zero_query_heads():
     "shape",
     [(3000, 16, 4, 2, 128, 150), (4096, 16, 2, 12, 128, 2), (700, 16, 2, 4, 96, 700), (257, 1, 1, 8, 64, 3)],
 )
-def test_cuda_matches_reference(dtype, shape):
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cuda_matches_reference(dtype, shape, tensor_cores, monkeypatch):
+    # SAMCACHE_SPARSE_ATTENTION_TC=1 takes the CuTe tensor-core kernel where it applies
+    # (bf16/fp16, head_dim 64 or 128); other cases fall back to the CUDA-core kernel.
+    monkeypatch.setenv("SAMCACHE_SPARSE_ATTENTION_TC", "1" if tensor_cores else "0")
     n, bs, hkv, g, d, nq = shape
     q, q_index, kc, vc, table = make_case(5, n, -(-n // bs) + 2, bs, hkv, g, d, nq, dtype)
     for window, cap in ((-1, 0.0), (100, 30.0)):
@@ -180,7 +184,9 @@ def test_cuda_matches_reference(dtype, shape):
 
 
 @pytest.mark.cuda
-def test_cuda_out_of_range_index_gives_nan_not_a_fault():
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cuda_out_of_range_index_gives_nan_not_a_fault(tensor_cores, monkeypatch):
+    monkeypatch.setenv("SAMCACHE_SPARSE_ATTENTION_TC", "1" if tensor_cores else "0")
     q, q_index, kc, vc, table = make_case(7, 64, 4, 16, 1, 2, 64, 4, torch.float16)
     bad_index = torch.tensor([3, 64, 10, 2**40]).cuda()  # device indices are not checked on the host
     out, lse = sparse_attention(q.cuda(), bad_index, kc.cuda(), vc.cuda(), table.cuda(), 64)

@@ -3,12 +3,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "sparse_attention.cuh"  // cuda/: the raw-pointer launcher
 #include "sparse_attention.h"
@@ -37,9 +40,24 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
 
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
+  using samcache::cuda::AttnDType;
+  const AttnDType dtype = q.scalar_type() == at::kFloat ? AttnDType::kFloat32
+                          : q.scalar_type() == at::kHalf ? AttnDType::kFloat16
+                                                         : AttnDType::kBFloat16;
+  // The tensor-core kernel is opt-in until it has been validated on a GPU.
+  const char* tc_env = std::getenv("SAMCACHE_SPARSE_ATTENTION_TC");
+  const bool tensor_cores = tc_env != nullptr && std::strcmp(tc_env, "1") == 0 &&
+                            samcache::cuda::sparse_attention_tc_supported(s.head_dim, dtype);
   samcache::cuda::SparseAttentionParams p{};
   const int64_t max_keys = window > 0 ? std::min(window, num_kv_tokens) : num_kv_tokens;
-  p.num_splits = samcache::cuda::sparse_attention_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads, max_keys, sms);
+  p.num_splits = tensor_cores
+                     ? samcache::cuda::sparse_attention_tc_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads, max_keys, sms)
+                     : samcache::cuda::sparse_attention_num_splits(s.num_queries, s.num_kv_heads, s.num_q_heads, max_keys, sms);
+  at::Tensor order;
+  if (tensor_cores) {  // queries sorted by index: a 64-row tile then spans a tight key range
+    order = std::get<1>(qi.sort());
+    p.query_order = order.data_ptr<int64_t>();
+  }
   at::Tensor partial_o, partial_ml;
   if (p.num_splits > 1) {
     partial_o = at::empty({p.num_splits, s.num_queries, s.num_q_heads, s.head_dim}, lse.options());
@@ -66,11 +84,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   p.window = window;
   p.scale = static_cast<float>(scale);
   p.logit_cap = static_cast<float>(logit_cap);
-  using samcache::cuda::AttnDType;
-  const AttnDType dtype = q.scalar_type() == at::kFloat ? AttnDType::kFloat32
-                          : q.scalar_type() == at::kHalf ? AttnDType::kFloat16
-                                                         : AttnDType::kBFloat16;
-  const cudaError_t err = samcache::cuda::sparse_attention(p, dtype, c10::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = tensor_cores ? samcache::cuda::sparse_attention_tc(p, dtype, stream)
+                                       : samcache::cuda::sparse_attention(p, dtype, stream);
   TORCH_CHECK(err == cudaSuccess, "sparse_attention CUDA launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }
