@@ -14,7 +14,8 @@ venv: .venv/.ready
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else $(PIP) torch==2.13.0; fi
-	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow pytest hypothesis
+	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow pytest hypothesis \
+	  "transformers==5.23.0" tokenizers safetensors
 	touch $@
 
 # A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
