@@ -14,7 +14,10 @@ venv: .venv/.ready
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	else $(PIP) torch==2.13.0; fi
-	$(PIP) "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm pytest hypothesis
+	@# Later installs must never replace this torch (e.g. by a CUDA build pulled in as a dependency).
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
+	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
+	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
