@@ -76,7 +76,7 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
 namespace {
 
 constexpr int64_t kQueryTile = 64;  // queries per task: their G heads form the rows of a GEMM
-constexpr int64_t kKeyChunk = 512;  // keys gathered from the paged cache per step
+constexpr int64_t kKeyChunk = 1024;  // keys gathered from the paged cache per step
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Which key chunks some query of the tile can see (causal, optional window): the chunks the
