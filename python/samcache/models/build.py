@@ -174,11 +174,9 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 
-# Qwen2.5-VL's chat template (adds the default system prompt).
-_QWEN2_5_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+# Qwen chat markup shared by both templates: turns and vision placeholders (the engine looks
+# for the literal <|vision_start|><|image_pad|><|vision_end|>).
+_CHAT_TURNS = (
     "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
     "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
@@ -191,26 +189,20 @@ _QWEN2_5_VL_CHAT_TEMPLATE = (
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CHAT_COUNTERS = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+
+# Qwen2.5-VL's chat template (adds the default system prompt).
+_QWEN2_5_VL_CHAT_TEMPLATE = (
+    _CHAT_COUNTERS
+    + "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    + _CHAT_TURNS
 )
 
 # A reduced Qwen3-VL template: same turn and vision markup, no default system prompt (as the
 # Instruct models); tool calls and thinking blocks of the real template are left out.
-_QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+_QWEN3_VL_CHAT_TEMPLATE = _CHAT_COUNTERS + "{% for message in messages %}" + _CHAT_TURNS
 
 
 def _classes(family: str):
