@@ -7,9 +7,21 @@ from samcache.recompute.budget import (
     solve_layer_budget,
     uniform_layer_budget,
 )
+from samcache.recompute.selection import (
+    RecomputePlan,
+    ReusedSpan,
+    attention_relevance,
+    key_deviation,
+    plan_recompute,
+)
 
 __all__ = [
     "LayerBudget",
+    "RecomputePlan",
+    "ReusedSpan",
+    "attention_relevance",
+    "key_deviation",
+    "plan_recompute",
     "SensitivityCurves",
     "probe_layer_sensitivity",
     "solve_layer_budget",
