@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "dtype.cuh"
 #include "kv_quant.cuh"
@@ -202,32 +203,37 @@ cudaError_t launch_dequantize(const int8_t* q, const float* scales, T* cache, co
   return cudaGetLastError();
 }
 
+// Calls launch(std::integral_constant<int, Q>{}, std::integral_constant<int, VEC>{}) for the
+// runtime qtype and the widest vector the addresses allow (16 bytes, else one element).
+template <typename T, class Launch>
+cudaError_t by_qtype_and_vector(int qtype, bool vec, Launch&& launch) {
+  constexpr int kVec = 16 / sizeof(T);
+  using Fp8 = std::integral_constant<int, kQuantFp8E4M3>;
+  using Int8 = std::integral_constant<int, kQuantInt8>;
+  using Wide = std::integral_constant<int, kVec>;
+  using One = std::integral_constant<int, 1>;
+  if (qtype == kQuantFp8E4M3) return vec ? launch(Fp8{}, Wide{}) : launch(Fp8{}, One{});
+  return vec ? launch(Int8{}, Wide{}) : launch(Int8{}, One{});
+}
+
 template <typename T>
 cudaError_t quantize_typed(const void* cache, const int64_t* ids, const KvQuantGeometry& g, int qtype, void* q,
                            float* scales, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
   const T* c = static_cast<const T*>(cache);
   int8_t* o = static_cast<int8_t*>(q);
-  const bool vec = vector_aligned<T>(cache, q, g);
-  if (qtype == kQuantFp8E4M3)
-    return vec ? launch_quantize<T, kQuantFp8E4M3, kVec>(c, ids, g, o, scales, stream)
-               : launch_quantize<T, kQuantFp8E4M3, 1>(c, ids, g, o, scales, stream);
-  return vec ? launch_quantize<T, kQuantInt8, kVec>(c, ids, g, o, scales, stream)
-             : launch_quantize<T, kQuantInt8, 1>(c, ids, g, o, scales, stream);
+  return by_qtype_and_vector<T>(qtype, vector_aligned<T>(cache, q, g), [&](auto qt, auto vec) {
+    return launch_quantize<T, decltype(qt)::value, decltype(vec)::value>(c, ids, g, o, scales, stream);
+  });
 }
 
 template <typename T>
 cudaError_t dequantize_typed(const void* q, int qtype, const float* scales, void* cache, const int64_t* ids,
                              const KvQuantGeometry& g, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
   const int8_t* s = static_cast<const int8_t*>(q);
   T* c = static_cast<T*>(cache);
-  const bool vec = vector_aligned<T>(cache, q, g);
-  if (qtype == kQuantFp8E4M3)
-    return vec ? launch_dequantize<T, kQuantFp8E4M3, kVec>(s, scales, c, ids, g, stream)
-               : launch_dequantize<T, kQuantFp8E4M3, 1>(s, scales, c, ids, g, stream);
-  return vec ? launch_dequantize<T, kQuantInt8, kVec>(s, scales, c, ids, g, stream)
-             : launch_dequantize<T, kQuantInt8, 1>(s, scales, c, ids, g, stream);
+  return by_qtype_and_vector<T>(qtype, vector_aligned<T>(cache, q, g), [&](auto qt, auto vec) {
+    return launch_dequantize<T, decltype(qt)::value, decltype(vec)::value>(s, scales, c, ids, g, stream);
+  });
 }
 
 }  // namespace
