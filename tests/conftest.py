@@ -44,3 +44,16 @@ def run_threads():
         assert not errors, errors
 
     return run
+
+
+@pytest.fixture
+def rejects_without_writing():
+    """rejects_without_writing(call, exc, tensors): call() raises exc and leaves tensors as they were."""
+
+    def check(call, exc, tensors, message="a rejected call must not write"):
+        before = [t.clone() for t in tensors]
+        with pytest.raises(exc):
+            call()
+        assert all(t.equal(b) for t, b in zip(tensors, before)), message
+
+    return check
