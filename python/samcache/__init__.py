@@ -11,10 +11,20 @@ from samcache import _C  # noqa: E402
 from samcache import ops  # noqa: E402  (registers the fake implementations)
 from samcache.block_pool import AppendResult, BlockPool  # noqa: E402
 from samcache.content_index import ContentEntry, ContentIndex, Evicted, PutResult, Tier  # noqa: E402
-from samcache.errors import CacheFull, InvariantViolation, NotFound, OutOfBlocks  # noqa: E402
+from samcache.errors import (  # noqa: E402
+    CacheFull, ImageLoadError, InvariantViolation, NotFound, OutOfBlocks, PromptTooLong, UnsupportedModel,
+)
 from samcache.hashing import ContentHash, ContentKey, Namespace, hash_bytes, hash_image  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # the engine imports transformers: load it only when asked for
+    if name == "SAMcacheEngine":
+        from samcache.engine import SAMcacheEngine
+
+        return SAMcacheEngine
+    raise AttributeError(f"module 'samcache' has no attribute {name!r}")
 
 __all__ = [
     "AppendResult",
@@ -25,12 +35,16 @@ __all__ = [
     "ContentIndex",
     "ContentKey",
     "Evicted",
+    "ImageLoadError",
     "InvariantViolation",
     "Namespace",
     "NotFound",
     "OutOfBlocks",
+    "PromptTooLong",
     "PutResult",
+    "SAMcacheEngine",
     "Tier",
+    "UnsupportedModel",
     "hash_bytes",
     "hash_image",
     "ops",

@@ -7,9 +7,28 @@
 - ``InvariantViolation`` (AssertionError): ``check_invariants()`` found contradicting internal
   state. This is a bug in samcache, never a consequence of bad input.
 
+The engine's input errors are ``ValueError`` subclasses, so ``except ValueError`` catches them:
+
+- ``UnsupportedModel``: a checkpoint whose architecture the engine does not run.
+- ``ImageLoadError``: an image that cannot be read or decoded.
+- ``PromptTooLong``: a prompt that does not fit the KV pool or the model's positions.
+
 Bad arguments raise ``ValueError``/``TypeError``; out-of-range block ids raise ``IndexError``.
 """
 
 from samcache._C import CacheFull, InvariantViolation, NotFound, OutOfBlocks
 
-__all__ = ["CacheFull", "InvariantViolation", "NotFound", "OutOfBlocks"]
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's architecture is not one the engine runs."""
+
+
+class ImageLoadError(ValueError):
+    """An image could not be read, decoded or converted to RGB."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt needs more KV blocks than the pool has, or more positions than the model."""
+
+
+__all__ = ["CacheFull", "ImageLoadError", "InvariantViolation", "NotFound", "OutOfBlocks", "PromptTooLong", "UnsupportedModel"]

@@ -70,15 +70,21 @@ def plan_recompute(
     scores: np.ndarray | torch.Tensor | None = None,
     *,
     head_fraction: float = 0.1,
+    track2_share: float = 0.0,
 ) -> RecomputePlan:
     """The priority order and per-layer quotas (e.g. ``LayerBudget.tokens_per_layer(n)``).
 
     ``scores``: relevance of each position of the new sequence (only reused positions are read);
     None keeps track 2 in position order.
+    ``track2_share``: after the first token of every span, the fraction of the order given to
+    track 2 while both tracks have tokens left (0: all of track 1 first). With a 5% budget and
+    10% heads, a share of 0.5 lets both tracks spend the budget.
     """
     spans = _check_spans(spans)
     if not 0.0 <= head_fraction <= 1.0:
         raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
+    if not 0.0 <= track2_share <= 1.0:
+        raise ValueError(f"track2_share must be in [0, 1], got {track2_share}")
     reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans]) if spans else np.zeros(0, np.int64)
     quota = [int(q) for q in quota]
     if any(q < 0 for q in quota) or any(b > a for a, b in zip(quota, quota[1:])):
@@ -96,7 +102,28 @@ def plan_recompute(
         if not np.all(np.isfinite(scores[reused])):
             raise ValueError("scores of reused positions must be finite")
         rest = rest[np.argsort(-scores[rest], kind="stable")]
-    return RecomputePlan(order=np.concatenate([track1, rest]), quota=tuple(quota))
+    boundary = min(len(spans), track1.size) if head_fraction > 0 else 0  # offset 0 of each span
+    order = np.concatenate([track1[:boundary], _interleave(track1[boundary:], rest, track2_share)])
+    return RecomputePlan(order=order, quota=tuple(quota))
+
+
+def _interleave(track1: np.ndarray, track2: np.ndarray, share: float) -> np.ndarray:
+    """Both tracks merged so that every prefix holds about ``share`` of track 2 (each track keeps
+    its own order; when one runs out the other continues)."""
+    if share <= 0.0 or not track2.size:
+        return np.concatenate([track1, track2])
+    if share >= 1.0 or not track1.size:
+        return np.concatenate([track2, track1])
+    out, i, j = [], 0, 0
+    for step in range(track1.size + track2.size):
+        want2 = int((step + 1) * share) > int(step * share)
+        if j < track2.size and (want2 or i >= track1.size):
+            out.append(track2[j])
+            j += 1
+        else:
+            out.append(track1[i])
+            i += 1
+    return np.asarray(out, dtype=np.int64)
 
 
 def key_deviation(cached_keys: torch.Tensor, fresh_keys: torch.Tensor) -> torch.Tensor:

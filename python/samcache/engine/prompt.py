@@ -1,0 +1,133 @@
+"""Requests as token sequences: chat messages -> token ids, image spans and M-RoPE positions.
+
+The chat template renders one ``<|vision_start|><|image_pad|><|vision_end|>`` per image; each
+``<|image_pad|>`` expands to the image's token count. Positions follow Qwen-VL's M-RoPE layout
+(transformers' ``get_rope_index``): a text token advances (t, h, w) together by one; an image
+starting at position ``s`` covers ``t = s``, ``h = s + row``, ``w = s + col`` of its merged grid,
+and the next token starts at ``s + max(rows, cols)``. An image's positions therefore depend only
+on its start, so moving an image moves all three components by the same delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from samcache.engine.images import PreparedImage
+
+
+@dataclass
+class ImageSpan:
+    """Image ``index`` of the request occupies tokens [start, start + length)."""
+
+    index: int
+    start: int
+    length: int
+    image: PreparedImage
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class Prompt:
+    token_ids: np.ndarray  # int32 [N]
+    positions: torch.Tensor  # int64 [3, N]
+    images: list[ImageSpan] = field(default_factory=list)
+    next_position: int = 0  # position of the first generated token
+
+    def __len__(self) -> int:
+        return int(self.token_ids.size)
+
+    def extra_keys(self, limit: int | None = None) -> list[tuple[int, int, Any]]:
+        """(start, end, content hash) of each image span, clipped to tokens < ``limit``."""
+        limit = len(self) if limit is None else limit
+        return [(s.start, min(s.end, limit), s.image.content) for s in self.images if s.start < limit]
+
+
+def image_positions(start: int, grid: tuple[int, int, int], merge_size: int) -> torch.Tensor:
+    """int64 [3, t*h*w/merge^2]: M-RoPE (t, h, w) positions of an image whose first token is at ``start``."""
+    t, h, w = grid[0], grid[1] // merge_size, grid[2] // merge_size
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1) + start
+
+
+def build_prompt(
+    token_ids: Sequence[int], images: Sequence[PreparedImage], *, image_token_id: int, merge_size: int
+) -> Prompt:
+    """Expand each ``image_token_id`` placeholder of ``token_ids`` into its image's tokens and
+    compute every token's M-RoPE position."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    holes = np.flatnonzero(ids == image_token_id)
+    if holes.size != len(images):
+        raise ValueError(
+            f"the prompt has {holes.size} image placeholder(s) but {len(images)} image(s) were given "
+            "(does the text itself contain <|image_pad|>?)"
+        )
+    out_ids, out_pos, spans = [], [], []
+    cursor, pos, n = 0, 0, 0
+    for index, (hole, image) in enumerate(zip(holes.tolist(), images)):
+        text = ids[cursor:hole]
+        out_ids.append(text)
+        out_pos.append(torch.arange(pos, pos + text.size).expand(3, -1))
+        pos += text.size
+        n += text.size
+        out_ids.append(np.full(image.num_tokens, image_token_id, dtype=np.int64))
+        out_pos.append(image_positions(pos, image.grid, merge_size))
+        spans.append(ImageSpan(index, n, image.num_tokens, image))
+        n += image.num_tokens
+        pos += max(image.grid[1], image.grid[2]) // merge_size
+        cursor = hole + 1
+    text = ids[cursor:]
+    out_ids.append(text)
+    out_pos.append(torch.arange(pos, pos + text.size).expand(3, -1))
+    positions = torch.cat(out_pos, dim=1).contiguous()
+    return Prompt(
+        token_ids=np.concatenate(out_ids).astype(np.int32),
+        positions=positions,
+        images=spans,
+        next_position=int(positions.max()) + 1 if positions.numel() else 0,
+    )
+
+
+def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
+    """Chat messages for the template (images replaced by ``{"type": "image"}``) and the image
+    objects in order of appearance."""
+    if isinstance(messages, dict) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    rendered, images = [], []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        content = message["content"]
+        if isinstance(content, str):
+            rendered.append({"role": message["role"], "content": content})
+            continue
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise ValueError(f"message {i}: each content part is a dict with a 'type', got {part!r:.80}")
+            if part["type"] == "image":
+                if "image" not in part:
+                    raise ValueError(f"message {i}: an image part needs an 'image' (path, PIL image or array)")
+                images.append(part["image"])
+                parts.append({"type": "image"})
+            elif part["type"] == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise ValueError(f"message {i}: unsupported content type {part['type']!r} (use 'text' or 'image')")
+        rendered.append({"role": message["role"], "content": parts})
+    return rendered, images
+
+
+def user_message(images: Sequence[Any], prompt: str) -> dict:
+    """One user turn: the images first, then the text (Qwen-VL's convention)."""
+    return {"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": prompt}]}
+
+
+__all__ = ["ImageSpan", "Prompt", "build_prompt", "image_positions", "normalize_messages", "user_message"]

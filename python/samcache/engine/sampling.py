@@ -1,0 +1,31 @@
+"""Next-token sampling: greedy, or temperature with nucleus (top-p) filtering."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Sampler:
+    """``Sampler(temperature, top_p, seed)(logits) -> token id``. temperature 0 is greedy."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, *, seed: int = 0, device: str = "cpu") -> None:
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.temperature == 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < self.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+__all__ = ["Sampler"]

@@ -1,0 +1,99 @@
+"""Byte-bounded stores of per-image tensors (ViT outputs, position-independent image KV).
+
+The ContentIndex decides what stays (namespaced keys, byte bound, priority + LRU eviction); this
+class keeps the payloads it points at and drops them when the index evicts them. Every entry
+records what it was made from (a ``check`` value such as the patch grid) and a lookup that finds a
+different record is a miss, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from samcache.content_index import ContentIndex
+from samcache.hashing import ContentKey
+
+
+def tensor_bytes(payload: Any) -> int:
+    """Bytes held by the tensors of a (nested) payload."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, dict):
+        return sum(tensor_bytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(tensor_bytes(v) for v in payload)
+    if hasattr(payload, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(payload, f)) for f in payload.__dataclass_fields__)
+    return 0
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    rejected: int = 0  # payloads larger than the whole store
+
+
+class TensorStore:
+    """``put(key, payload, check)`` / ``get(key, check)`` over a ContentIndex of ``capacity_bytes``."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.name = name
+        self.index = ContentIndex(capacity_bytes)
+        self._payloads: dict[int, tuple[Any, Any]] = {}
+        self._handles = itertools.count()
+        self.stats = StoreStats()
+
+    def get(self, key: ContentKey, check: Any = None) -> Any | None:
+        entry = self.index.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        payload, stored_check = self._payloads[entry.handle]
+        if stored_check != check:  # same key, different making: never hand it out
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        return payload
+
+    def __contains__(self, key: ContentKey) -> bool:
+        return key in self.index
+
+    def put(self, key: ContentKey, payload: Any, check: Any = None) -> bool:
+        """Insert (evicting least-recently-used entries). False if present or too large to keep."""
+        size = max(1, tensor_bytes(payload))
+        if size > self.index.capacity_bytes:
+            self.stats.rejected += 1
+            return False
+        handle = next(self._handles)
+        result = self.index.put(key, handle=handle, size_bytes=size)
+        for evicted in result.evicted:
+            self._payloads.pop(evicted.entry.handle, None)
+            self.stats.evictions += 1
+        if result.inserted:
+            self._payloads[handle] = (payload, check)
+            self.stats.inserts += 1
+        return result.inserted
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def check_invariants(self) -> None:
+        self.index.check_invariants()
+        if len(self.index) != len(self._payloads):
+            from samcache.errors import InvariantViolation
+
+            raise InvariantViolation(f"{self.name}: {len(self.index)} index entries but {len(self._payloads)} payloads")
+
+
+__all__ = ["StoreStats", "TensorStore", "tensor_bytes"]

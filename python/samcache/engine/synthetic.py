@@ -1,0 +1,33 @@
+"""Deterministic synthetic images (screenshots with windows, text and shapes) for calibration,
+tests, the demo and benchmarks: nothing is downloaded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def screenshot(seed: int, size: tuple[int, int] = (720, 1280)) -> np.ndarray:
+    """An HxWx3 uint8 'screenshot' (``size`` = (height, width)) drawn from ``seed``: a desktop
+    colour, a few windows with title bars, text lines and buttons. Different seeds differ."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    h, w = size
+    img = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(40, 200, 3)))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([0, h - max(8, h // 24), w, h], fill=(30, 30, 36))  # task bar
+    for _ in range(int(rng.integers(2, 5))):
+        x0, y0 = int(rng.integers(0, w * 2 // 3)), int(rng.integers(0, h * 2 // 3))
+        x1, y1 = min(w - 1, x0 + int(rng.integers(w // 5, w // 2))), min(h - 1, y0 + int(rng.integers(h // 5, h // 2)))
+        draw.rectangle([x0, y0, x1, y1], fill=tuple(int(c) for c in rng.integers(180, 256, 3)), outline=(0, 0, 0))
+        draw.rectangle([x0, y0, x1, y0 + 14], fill=tuple(int(c) for c in rng.integers(0, 120, 3)))
+        for line in range(y0 + 20, y1 - 10, 14):
+            words = " ".join("".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(rng.integers(2, 8))))
+                             for _ in range(int(rng.integers(2, 7))))
+            draw.text((x0 + 6, line), words, fill=(20, 20, 20))
+        bx = x0 + int(rng.integers(0, max(1, x1 - x0 - 60)))
+        draw.rounded_rectangle([bx, y1 - 24, bx + 56, y1 - 6], radius=4, fill=(50, 110, 220))
+    return np.asarray(img)
+
+
+__all__ = ["screenshot"]

@@ -1,0 +1,332 @@
+"""The reference engine on tiny random-weight checkpoints of both families (CPU, seconds each).
+
+Every claim of reuse is checked against a computation without it: the engine's full prefill
+against transformers' own forward, and every kind of reuse against the engine's full prefill.
+"""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from samcache import ImageLoadError, Namespace, PromptTooLong, UnsupportedModel, ops  # noqa: E402
+from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
+from samcache.engine.prompt import user_message  # noqa: E402
+from samcache.models import FAMILIES, build_tiny_model  # noqa: E402
+
+SIZE = (112, 168)  # small screenshots: 24-90 image tokens each on the tiny models
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+def make_engine(path, **kw):
+    kw.setdefault("recompute_budget", "uniform")
+    kw.setdefault("kv_cache_bytes", 16 << 20)
+    return SAMcacheEngine(path, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    return {f: make_engine(p) for f, p in checkpoints.items()}
+
+
+def shots(*seeds):
+    return [screenshot(s, SIZE) for s in seeds]
+
+
+def messages(system, images, question):
+    return [{"role": "system", "content": system}, user_message(images, question)]
+
+
+def full(engine, prompt):
+    ref = engine._full_prefill(prompt)
+    engine.pool.free_sequence(ref.seq)
+    return ref.logits
+
+
+def assert_clean(engine):
+    engine.check_invariants()
+    assert engine.pool.stats()["live_sequences"] == 0
+
+
+# ---- the runner against transformers ----------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_prefill_matches_transformers_forward(engines, family):
+    engine = engines[family]
+    images = shots(1, 2)
+    msgs = messages("Be brief.", images, "What is on the screen?")
+    prompt = engine.build_prompt(msgs)
+    proc = engine.processor
+    text = proc.apply_chat_template(
+        [msgs[0], {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What is on the screen?"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    inputs = proc(text=[text], images=images, return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == prompt.token_ids.tolist()
+    hf_pos, _ = engine.runner.model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+    )
+    assert torch.equal(hf_pos[:, 0], prompt.positions)
+    with torch.no_grad():
+        hf = engine.runner.model(**inputs).logits[0, -1]
+    ours = full(engine, prompt)
+    torch.testing.assert_close(ours, hf, atol=1e-5, rtol=1e-5)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decode_matches_transformers_generate(engines, family):
+    engine = engines[family]
+    images = shots(3)
+    msgs = [user_message(images, "Describe it.")]
+    result = engine.chat(messages=msgs, max_new_tokens=6)
+    proc = engine.processor
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+                                    tokenize=False, add_generation_prompt=True)
+    inputs = proc(text=[text], images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = engine.runner.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    hf_tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert result.token_ids[: len(hf_tokens)] == hf_tokens
+    assert_clean(engine)
+
+
+# ---- reuse reproduces the full prefill where it must ------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recompute_ratio_one_reproduces_full_prefill(checkpoints, family):
+    engine = make_engine(checkpoints[family], recompute_ratio=1.0)
+    images = shots(4, 5)
+    engine.chat(messages=messages("First system prompt.", images, "Look."), max_new_tokens=1)
+    prompt = engine.build_prompt(messages("A different, longer system prompt for turn two.", images[::-1], "Now?"))
+    pre = engine.prefill(prompt, Namespace(engine.model_id))
+    engine.pool.free_sequence(pre.seq)
+    m = pre.metrics
+    assert m.image_reused_tokens == sum(s.length for s in prompt.images) and m.prefix_reused_tokens == 0
+    assert m.recomputed_tokens == m.image_reused_tokens and m.recompute_rates == [1.0] * engine.runner.num_layers
+    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_prefix_reuse_reproduces_full_prefill(checkpoints, family):
+    engine = make_engine(checkpoints[family], image_kv_cache=False)
+    msgs = messages("Same prompt twice.", shots(6), "Same question.")
+    first = engine.chat(messages=msgs, max_new_tokens=1)
+    prompt = engine.build_prompt(msgs)
+    pre = engine.prefill(prompt, Namespace(engine.model_id))
+    engine.pool.free_sequence(pre.seq)
+    bs = engine.pool.block_size
+    assert first.metrics.prefix_reused_tokens == 0
+    assert pre.metrics.prefix_reused_tokens == (len(prompt) - 1) // bs * bs > 0
+    assert pre.metrics.vit_calls == 0 and pre.metrics.image_reused_tokens == 0
+    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_at_the_same_position_with_ratio_zero_reproduces_full_prefill(checkpoints, family):
+    engine = make_engine(checkpoints[family], prefix_cache=False, recompute_ratio=0.0)
+    images = shots(7)
+    engine.chat(messages=messages("Fixed system prompt.", images, "First question?"), max_new_tokens=1)
+    prompt = engine.build_prompt(messages("Fixed system prompt.", images, "A second question."))
+    pre = engine.prefill(prompt, Namespace(engine.model_id))
+    engine.pool.free_sequence(pre.seq)
+    assert pre.metrics.image_reused_tokens == prompt.images[0].length and pre.metrics.recomputed_tokens == 0
+    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rerotated_kv_at_a_new_position_equals_the_first_layer_of_a_full_prefill(checkpoints, family):
+    engine = make_engine(checkpoints[family], recompute_ratio=0.0)
+    images = shots(8, 9)
+    engine.chat(messages=messages("Short.", images, "Look."), max_new_tokens=1)
+    prompt = engine.build_prompt(messages("A much longer system prompt that moves every image.", images[::-1], "Q?"))
+    ns = Namespace(engine.model_id)
+    pre = engine.prefill(prompt, ns)
+    ref = engine._full_prefill(prompt)
+    r = engine.runner
+    moved = [s for s in prompt.images]
+    assert pre.metrics.image_reused_tokens == sum(s.length for s in moved)
+    for layer in range(r.num_layers):
+        got_k, got_v = ops.paged_gather(r.k_cache[layer], r.v_cache[layer], engine.pool.block_table(pre.seq), len(prompt))
+        ref_k, ref_v = ops.paged_gather(r.k_cache[layer], r.v_cache[layer], engine.pool.block_table(ref.seq), len(prompt))
+        for span in moved:
+            sl = slice(span.start, span.end)
+            if layer == 0:  # no left context has flowed in yet: re-rotation alone must be exact
+                torch.testing.assert_close(got_k[sl], ref_k[sl], atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(got_v[sl], ref_v[sl], atol=1e-6, rtol=1e-6)
+            else:  # deeper layers saw another context: reuse is an approximation there
+                assert not torch.allclose(got_k[sl], ref_k[sl], atol=1e-4)
+    engine.pool.free_sequence(pre.seq)
+    engine.pool.free_sequence(ref.seq)
+    assert_clean(engine)
+
+
+# ---- wrong-content safety -----------------------------------------------------------------------
+def test_different_images_one_pixel_model_id_and_tenant_never_share_entries(checkpoints):
+    path = checkpoints["qwen2_5_vl"]
+    engine = make_engine(path)
+    a, b = shots(10, 11)
+    engine.chat(images=[a], prompt="first", max_new_tokens=1)
+    r = engine.chat(images=[b], prompt="second", max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 0 and r.metrics.vit_calls == 1  # another image: a miss
+    a2 = a.copy()
+    a2[5, 7, 1] ^= 1
+    r = engine.chat(images=[a2], prompt="third", max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 0 and r.metrics.vit_calls == 1 and r.metrics.prefix_reused_tokens < \
+        engine.build_prompt([user_message([a2], "third")]).images[0].end  # one pixel: a miss everywhere
+    r = engine.chat(images=[a], prompt="fourth", max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 1 and r.metrics.vit_calls == 0  # the same pixels hit
+    r = engine.chat(images=[a], prompt="fourth", max_new_tokens=1, tenant="bob")
+    assert r.metrics.image_kv_hits == 0 and r.metrics.prefix_reused_tokens == 0  # another tenant misses KV
+    other = make_engine(path, model_id="another-model")
+    other.vit_store, other.image_kv_store, other.pool, other.runner = (
+        engine.vit_store, engine.image_kv_store, engine.pool, engine.runner)  # even with the same stores
+    r = other.chat(images=[a], prompt="fourth", max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 0 and r.metrics.vit_hits == 0 and r.metrics.prefix_reused_tokens == 0
+    assert engine.model_id != make_engine(build_tiny_model("qwen2_5_vl", path.parent / "seed1", seed=1)).model_id
+    assert_clean(engine)
+
+
+# ---- both families end to end -------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agent_session_end_to_end(checkpoints, family):
+    engine = make_engine(checkpoints[family])
+    session = engine.new_session("You operate a computer.")
+    window, results = [], []
+    for step in range(4):  # a sliding window of the last two screenshots
+        window = (window + shots(20 + step))[-2:]
+        r = engine.chat(images=window, prompt=f"Step {step}: what next?", session=session, max_new_tokens=4,
+                        fidelity=True)
+        results.append(r)
+        assert 1 <= r.metrics.decode_tokens <= 4 and r.finish_reason in ("stop", "length")
+        f = r.metrics.fidelity
+        assert f.kl >= 0 and f.greedy_tokens >= 1 and 0 <= f.greedy_agree <= 1
+        assert r.metrics.ttft_s > 0 and r.metrics.kv_bytes > 0
+        assert_clean(engine)
+    assert len(session.messages) == 1 + 2 * 4 and session.messages[-1]["role"] == "assistant"
+    # From the second turn on, the older screenshot is known: its KV is reused.
+    assert all(r.metrics.image_kv_hits + (r.metrics.prefix_reused_tokens > 0) >= 1 for r in results[1:])
+    assert results[0].metrics.vit_calls == 1 and all(r.metrics.vit_calls == 1 for r in results[1:])
+    rates = results[-1].metrics.recompute_rates
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
+def test_temperature_sampling_is_seeded(engines):
+    engine = engines["qwen2_5_vl"]
+    kw = dict(images=shots(30), prompt="Say something.", max_new_tokens=6, temperature=1.0, top_p=0.9)
+    a, b = engine.chat(**kw, seed=3), engine.chat(**kw, seed=3)
+    assert a.token_ids == b.token_ids
+    assert any(engine.chat(**kw, seed=s).token_ids != a.token_ids for s in range(4, 10))
+
+
+def test_images_as_paths_pil_and_arrays_hash_alike(engines, tmp_path):
+    from PIL import Image
+
+    engine = engines["qwen2_5_vl"]
+    img = shots(31)[0]
+    Image.fromarray(img).save(tmp_path / "shot.png")
+    first = engine.chat(images=[str(tmp_path / "shot.png")], prompt="path", max_new_tokens=1)
+    again = engine.chat(images=[Image.fromarray(img)], prompt="pil", max_new_tokens=1)
+    assert first.metrics.vit_calls == 1 and again.metrics.vit_calls == 0 and again.metrics.image_kv_hits == 1
+
+
+# ---- the layer-aware budget ----------------------------------------------------------------------
+def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_path):
+    engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
+    with pytest.warns(UserWarning, match="uniform across layers"):
+        engine.chat(images=shots(40), prompt="x", max_new_tokens=1)
+    curves = engine.calibrate(rates=(0.0, 0.1, 0.5, 1.0), save=tmp_path / "curves.json", progress=False)
+    L = engine.runner.num_layers
+    assert curves.loss.shape == (L, 4)
+    assert np.allclose(curves.loss[:, 0], curves.loss[0, 0])  # rate 0 is the same run at every layer
+    assert (curves.loss[:, -1] <= curves.loss[:, 0] + 1e-9).all()  # exact KV never hurts on average here
+    saved = json.loads((tmp_path / "curves.json").read_text())
+    assert saved["loss"] == curves.loss.tolist()
+    assert_clean(engine)
+    again = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware", sensitivity=tmp_path / "curves.json",
+                        recompute_ratio=0.3)
+    again.chat(images=shots(41, 42), prompt="x", max_new_tokens=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = again.chat(images=shots(42, 41), prompt="y", max_new_tokens=1)
+    rates = r.metrics.recompute_rates
+    assert all(a >= b for a, b in zip(rates, rates[1:])) and np.mean(rates) <= 0.3 + 1e-9
+    assert r.metrics.recomputed_tokens == round(rates[0] * r.metrics.image_reused_tokens)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_unreadable_image_is_a_clear_error_and_leaves_the_cache_consistent(engines, tmp_path):
+    engine = engines["qwen2_5_vl"]
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ImageLoadError, match="cannot read image"):
+        engine.chat(images=[str(tmp_path / "broken.png")], prompt="x")
+    with pytest.raises(ImageLoadError, match="cannot read image"):
+        engine.chat(images=[str(tmp_path / "missing.png")], prompt="x")
+    with pytest.raises(ImageLoadError, match="uint8"):
+        engine.chat(images=[np.zeros((8, 8, 3), np.float32)], prompt="x")
+    assert_clean(engine)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM"):
+        SAMcacheEngine(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        SAMcacheEngine(tmp_path / "nope")
+
+
+def test_prompt_longer_than_the_pool_is_a_clear_error(checkpoints):
+    engine = make_engine(checkpoints["qwen2_5_vl"], num_blocks=8)
+    with pytest.raises(PromptTooLong, match="KV blocks"):
+        engine.chat(images=[screenshot(50, (448, 448))], prompt="256 image tokens, 128 slots", max_new_tokens=4)
+    assert_clean(engine)
+    r = engine.chat(prompt="short", max_new_tokens=2)  # the engine still works
+    assert r.metrics.decode_tokens >= 1
+    assert_clean(engine)
+
+
+def test_a_failed_prefill_leaves_no_adoptable_blocks(checkpoints, monkeypatch):
+    engine = make_engine(checkpoints["qwen2_5_vl"])
+    msgs = messages("A system prompt long enough to fill a few KV blocks of sixteen tokens.", [], "Hello?")
+
+    def boom(batch):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.runner, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.chat(messages=msgs, max_new_tokens=1)
+    monkeypatch.undo()
+    assert_clean(engine)
+    r = engine.chat(messages=msgs, max_new_tokens=1)
+    assert r.metrics.prefix_reused_tokens == 0  # nothing half-written was adopted
+    assert_clean(engine)
+
+
+def test_bad_arguments_are_clear_errors(engines, checkpoints):
+    engine = engines["qwen2_5_vl"]
+    with pytest.raises(ValueError, match="either messages"):
+        engine.chat(messages=[user_message([], "x")], prompt="y")
+    with pytest.raises(ValueError, match="needs a prompt"):
+        engine.chat(images=shots(1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.chat(prompt="x", max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.chat(prompt="x", temperature=-1)
+    with pytest.raises(ValueError, match="content type"):
+        engine.chat(messages=[{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}])
+    with pytest.raises(ValueError, match="compression"):
+        make_engine(checkpoints["qwen2_5_vl"], compression_enabled=True)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        make_engine(checkpoints["qwen2_5_vl"], recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="image placeholder"):
+        engine.chat(prompt="literal <|image_pad|> in text")
+    assert_clean(engine)
