@@ -67,6 +67,7 @@ test: cuda-check ctest pytest
 bench: install
 	$(BUILD)/samcache_bench_core
 	$(PY) bench/bench_batch_api.py
+	$(PY) bench/bench_engine.py
 
 demo: install
 	$(BUILD)/samcache_bench_core --quick
@@ -79,15 +80,22 @@ demo: install
 gpu-prep: sysdeps venv
 	mkdir -p .gpu/include && cp /usr/include/xxhash.h .gpu/include/
 	$(PY) -m pip download -q --no-deps -d .gpu nvidia-cutlass==4.2.0.0
+	@# The engine's Python dependencies, for a device image that lacks them (installed offline there).
+	$(PY) -m pip download -q -d .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
 
 GPU_PY ?= python3
 gpu:
 	$(GPU_PY) -m pip install -q --no-deps .gpu/nvidia_cutlass-*.whl
+	$(GPU_PY) -c "import transformers, tokenizers, safetensors, xxhash" 2>/dev/null || \
+	  $(GPU_PY) -m pip install -q --no-index --find-links .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
 	SAMCACHE_CUDA=on SAMCACHE_XXHASH_INCLUDE=$(CURDIR)/.gpu/include \
 	  $(GPU_PY) -m pip install -q --no-build-isolation --no-deps .
 	cd tests && $(GPU_PY) -m pytest -q -m cuda . 2>&1 | tee $${OUT:-/tmp}/gpu-tests.txt
 	for b in paged_kv rope kv_quant token_merge sparse_attention; do \
 	  $(GPU_PY) bench/bench_$$b.py --device cuda 2>&1 | tee $${OUT:-/tmp}/gpu-bench-$$b.txt; done
+	$(GPU_PY) bench/bench_engine.py --device cuda --dtype bfloat16 --reps 5 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-tiny.txt
+	$(GPU_PY) bench/bench_engine.py --device cuda --preset qwen2.5-vl-7b --dtype bfloat16 --reps 3 --no-calibrate \
+	  --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
 
 clean:
 	rm -rf build .venv

@@ -1,118 +1,84 @@
-"""A short walkthrough of samcache's native core, as an agent engine would drive it.
+"""``make demo``: a scripted GUI agent on a tiny local Qwen2.5-VL, with and without samcache.
 
-Run with ``python -m samcache.demo`` (``make demo`` runs it after the core microbenchmark).
-It keeps a tiny paged KV cache (2 layers x K/V) in torch tensors and shows, step by step:
-prefix reuse across turns keyed by image content, branch forks that share blocks, the
-copy-on-write copy a branch needs before it writes, tenant isolation, and the byte-bounded
-content index that holds per-image payloads (e.g. vision-encoder outputs).
+The agent keeps its last 3 screenshots (1280x720, 1,196 image tokens each) in the prompt; every
+turn adds a new screenshot and drops the oldest, so the exact prefix breaks every turn while two
+of the three images are ones the engine has already seen, now at new positions. Each turn runs
+on two engines over the same checkpoint: samcache (every cache level, 5% recompute with the
+layer-aware budget) and the same engine with every cache off. Per turn it prints where each
+prompt token's KV came from, the ViT calls, both TTFTs and the fidelity of the samcache turn
+against a full prefill.
+
+    python -m samcache.demo [--model DIR] [--turns 6] [--window 3] [--device cpu]
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-import samcache
-from samcache import BlockPool, ContentIndex, Namespace
-
-BLOCK = 16
-IMAGE_PAD = 151655  # Qwen's <|image_pad|>: every image token has this id, so content must be keyed
+import argparse
+import pathlib
+import statistics
+import tempfile
+import warnings
 
 
-def _screenshot(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (72, 128, 3), dtype=np.uint8)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="samcache demo: a GUI agent with and without samcache")
+    p.add_argument("--model", help="a Qwen2.5-VL / Qwen3-VL-MoE checkpoint directory (default: build a tiny one)")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--window", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--recompute", type=float, default=0.05)
+    args = p.parse_args(argv)
 
+    from samcache.engine import SAMcacheEngine, screenshot
+    from samcache.engine.prompt import user_message
+    from samcache.models import build_tiny_model
 
-def _prompt(system: list[int], image_tokens: int, question: list[int]) -> tuple[np.ndarray, tuple[int, int]]:
-    tokens = system + [IMAGE_PAD] * image_tokens + question
-    return np.array(tokens, dtype=np.int32), (len(system), len(system) + image_tokens)
+    model = args.model
+    if model is None:
+        model = build_tiny_model("qwen2_5_vl", pathlib.Path(tempfile.mkdtemp(prefix="samcache-demo-")) / "tiny-qwen2.5-vl")
+        print(f"built a tiny random-weight Qwen2.5-VL checkpoint in {model}")
+    fast = SAMcacheEngine(model, device=args.device, recompute_ratio=args.recompute)
+    plain = SAMcacheEngine(model, device=args.device, cache_enabled=False)
+    print(f"engine: {fast}")
+    print("calibrating the layer-aware recompute budget (per-layer sensitivity probe) ...")
+    curves = fast.calibrate(progress=False)
+    print(f"  next-token KL with no recompute {curves.loss[0, 0]:.2e}; rates probed {curves.rates.tolist()}")
 
-
-def _say(step: str, text: str) -> None:
-    print(f"\n[{step}] {text}")
-
-
-def main() -> None:
-    torch.manual_seed(0)
-    pool = BlockPool(num_blocks=64, block_size=BLOCK)
-    # One paged cache per layer and K/V: [num_blocks, block_size, kv_heads, head_dim].
-    caches = [torch.zeros(64, BLOCK, 2, 8) for _ in range(4)]
-    ns = Namespace("tiny-qwen2.5-vl", tenant="alice")
-
-    def write_kv(slots: np.ndarray, copies: np.ndarray, value: float) -> None:
-        samcache.ops.copy_blocks(caches, copies)  # copy-on-write first, then the new tokens
-        idx = torch.from_numpy(slots).long()
-        for c in caches:
-            c.view(-1, 2, 8)[idx] = value
-
-    print("samcache demo: the native core driven like an agent engine")
-    print(f"pool: {pool.num_blocks} blocks x {pool.block_size} tokens; 4 paged caches (2 layers x K/V)")
-
-    shot = _screenshot(1)
-    img = samcache.hash_image(shot, preprocess={"max_pixels": 1003520})
-    system = list(range(1, 41))
-    tokens, (img_lo, img_hi) = _prompt(system, 64, [900, 901, 902, 903, 904])
-    keys = [(img_lo, img_hi, img)]
-
-    _say("turn 1", f"prompt of {len(tokens)} tokens: 40 system + 64 image tokens (image {img.hex()[:12]}…) + 5 question")
-    turn1 = pool.new_sequence(ns)
-    res = pool.append_tokens(turn1, tokens, keys)
-    write_kv(res.slots, res.copies, 1.0)
-    print(f"  prefilled all {len(tokens)} tokens into blocks {pool.block_table(turn1).tolist()}")
-    print(f"  full blocks are hashed (parent hash + token ids + image hash) into the prefix cache: "
-          f"{pool.stats()['cached_blocks']} cached")
-
-    _say("fork", "the planner forks two sub-agents over the same context")
-    a, b = pool.fork(turn1), pool.fork(turn1)
-    last = int(pool.block_table(turn1)[-1])
-    print(f"  3 sequences now share {len(pool.block_table(turn1))} blocks; refcount of the last block = "
-          f"{pool.refcount(last)}; nothing was copied")
-
-    _say("branch write", "sub-agent B writes its first token into the shared, partly full last block")
-    res = pool.append_tokens(b, [1000])
-    write_kv(res.slots, res.copies, 2.0)
-    (src, dst), = res.copies.tolist()
-    print(f"  copy-on-write: block {src} -> block {dst} (performed by torch.ops.samcache.copy_blocks), "
-          f"then B wrote slot {int(res.slots[0])}")
-    parent_last = caches[0][src].view(-1, 16)[: len(tokens) % BLOCK]
-    print(f"  turn-1 context still reads only its own KV: {bool(parent_last.eq(1.0).all())}; "
-          f"B's block holds the copy plus its token: {bool(caches[0][dst][len(tokens) % BLOCK].eq(2.0).all())}")
-
-    for s in (turn1, a, b):
-        pool.free_sequence(s)
-    _say("turn 2", "all sequences freed; the agent re-sends the same system prompt and screenshot")
-    print(f"  freed blocks keep their cached content until evicted: {pool.stats()['evictable_blocks']} evictable")
-    turn2 = pool.new_sequence(ns)
-    reused = pool.adopt_prefix(turn2, tokens, keys)
-    rest = pool.append_tokens(turn2, tokens[reused:], keys)
-    write_kv(rest.slots, rest.copies, 3.0)
-    print(f"  adopt_prefix reused {reused} of {len(tokens)} tokens ({reused // BLOCK} blocks); prefilled only "
-          f"{len(tokens) - reused}")
-
-    _say("another image", "same tokens, but a different screenshot behind the <|image_pad|> placeholders")
-    other = samcache.hash_image(_screenshot(2), preprocess={"max_pixels": 1003520})
-    hit = pool.match_prefix(tokens, [(img_lo, img_hi, other)], namespace=ns)
-    print(f"  reusable blocks: {len(hit)} (the {img_lo // BLOCK} full blocks of system tokens before the image; "
-          f"every block that overlaps the image misses)")
-    hit = pool.match_prefix(tokens, keys, namespace=Namespace("tiny-qwen2.5-vl", tenant="bob"))
-    print(f"  the same screenshot for tenant bob: {len(hit)} blocks reusable (tenants never share)")
-    pool.free_sequence(turn2)
-
-    _say("content index", "per-image payloads (e.g. ViT outputs) in a byte-bounded index")
-    index = ContentIndex(capacity_bytes=3 * 1_000_000)
-    vit_bytes = 1_000_000
-    for i in range(3):
-        index.put(ns.key(samcache.hash_image(_screenshot(10 + i))), handle=i, size_bytes=vit_bytes)
-    index.pin(ns.key(samcache.hash_image(_screenshot(10))))  # in use by a running request
-    res = index.put(ns.key(samcache.hash_image(_screenshot(13))), handle=3, size_bytes=vit_bytes)
-    print(f"  inserting a 4th 1 MB entry into a 3 MB index evicted handle(s) "
-          f"{[e.entry.handle for e in res.evicted]} (least recently used; handle 0 is pinned)")
-    print(f"  lookup of screenshot 10 for alice: handle {index.get(ns.key(samcache.hash_image(_screenshot(10)))).handle}; "
-          f"for bob: {index.get(Namespace('tiny-qwen2.5-vl', tenant='bob').key(samcache.hash_image(_screenshot(10))))}")
-
-    pool.check_invariants()
-    index.check_invariants()
-    print(f"\ninvariants hold; pool: {pool.stats()}")
+    header = (f"{'turn':>4} {'images':>12} {'prompt':>7} {'prefilled':>9} {'prefix':>7} {'img-KV':>7} "
+              f"{'recomp':>7} {'ViT run/hit':>11} {'TTFT samcache':>14} {'TTFT without':>13} {'speedup':>8} "
+              f"{'KL':>9}")
+    print(f"\nGUI agent, window of the last {args.window} screenshots, {args.turns} turns\n{header}\n{'-' * len(header)}")
+    history: list[str] = []
+    speedups = []
+    seen: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for turn in range(args.turns):
+            window = list(range(max(0, turn - args.window + 1), turn + 1))
+            shots = [screenshot(1000 + i) for i in window]
+            actions = "; ".join(history[-4:]) or "none yet"
+            system = f"You are a GUI agent. Goal: file the expense report. Actions so far: {actions}."
+            msgs = [{"role": "system", "content": system},
+                    user_message(shots, f"Screenshots {window[0]}..{window[-1]}, newest last. Next action?")]
+            mine = fast.chat(messages=msgs, max_new_tokens=8, fidelity=True)
+            base = plain.chat(messages=msgs, max_new_tokens=8)
+            m = mine.metrics
+            known = sum(i in seen for i in window)
+            seen.update(window)
+            speedup = base.metrics.ttft_s / m.ttft_s
+            if known:
+                speedups.append(speedup)
+            print(f"{turn:>4} {f'{known} known+{len(window) - known} new':>12} {m.prompt_tokens:>7} "
+                  f"{m.prefilled_tokens:>9} {m.prefix_reused_tokens:>7} {m.image_reused_tokens:>7} "
+                  f"{m.recomputed_tokens:>7} {f'{m.vit_calls}/{m.vit_hits}':>11} {m.ttft_s * 1e3:>11.1f} ms "
+                  f"{base.metrics.ttft_s * 1e3:>10.1f} ms {speedup:>7.1f}x {m.fidelity.kl:>9.2e}")
+            history.append(f"step {turn}: {mine.text.strip()[:12]!r}")
+    print(f"\nmedian TTFT speedup on turns that re-send known screenshots: {statistics.median(speedups):.1f}x")
+    print("prefilled = computed from scratch (new text, the new screenshot); img-KV = tokens of known screenshots whose")
+    print("KV was spliced in at their new positions (RoPE re-rotated); recomp = of those, recomputed at the first layer;")
+    print("KL = next-token KL (nats) against a full prefill of the same prompt (random weights: near-uniform outputs).")
+    fast.check_invariants()
+    plain.check_invariants()
 
 
 if __name__ == "__main__":

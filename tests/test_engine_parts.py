@@ -1,0 +1,88 @@
+"""Engine parts on their own: the tensor stores, prompt positions, sampling, and that the demo
+and the engine benchmark still run end to end (small sizes)."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from samcache import Namespace, hash_bytes  # noqa: E402
+from samcache.engine.images import PreparedImage  # noqa: E402
+from samcache.engine.prompt import build_prompt, image_positions  # noqa: E402
+from samcache.engine.sampling import Sampler  # noqa: E402
+from samcache.engine.stores import TensorStore  # noqa: E402
+
+NS = Namespace("test-model")
+
+
+def key(i):
+    return NS.key(hash_bytes(str(i).encode()))
+
+
+def test_store_is_byte_bounded_evicts_lru_and_drops_payloads():
+    store = TensorStore("t", capacity_bytes=3 * 400)
+    for i in range(3):
+        assert store.put(key(i), torch.zeros(100), check="g")  # 400 bytes each
+    assert store.get(key(0), check="g") is not None  # 0 is now the most recent
+    store.put(key(3), torch.zeros(100), check="g")
+    assert store.get(key(1), check="g") is None and store.get(key(0), check="g") is not None
+    assert len(store) == 3 and store.used_bytes == 1200 and store.stats.evictions == 1
+    store.check_invariants()
+    assert not store.put(key(9), torch.zeros(1000))  # larger than the whole store: not kept
+    assert store.stats.rejected == 1 and key(9) not in store
+
+
+def test_store_lookup_with_another_check_misses():
+    store = TensorStore("t", capacity_bytes=1 << 20)
+    store.put(key(1), torch.ones(4), check=(1, 4, 6))
+    assert store.get(key(1), check=(1, 4, 8)) is None
+    assert torch.equal(store.get(key(1), check=(1, 4, 6)), torch.ones(4))
+
+
+def test_prompt_positions_follow_qwen_mrope_layout():
+    img = PreparedImage(np.zeros((1, 1, 3), np.uint8), hash_bytes(b"x"), grid=(1, 4, 6), num_tokens=6)
+    p = build_prompt([5, 6, 99, 7, 99, 8], [img, img], image_token_id=99, merge_size=2)
+    assert p.token_ids.tolist() == [5, 6] + [99] * 6 + [7] + [99] * 6 + [8]
+    assert [(s.start, s.length) for s in p.images] == [(2, 6), (9, 6)]
+    assert p.positions[:, :2].tolist() == [[0, 1]] * 3
+    assert torch.equal(p.positions[:, 2:8], image_positions(2, (1, 4, 6), 2))
+    assert p.positions[:, 8].tolist() == [5, 5, 5]  # 2 + max(2 rows, 3 cols)
+    assert p.positions[:, 15].tolist() == [9, 9, 9] and p.next_position == 10
+    # moving an image moves all three components by the same delta
+    assert torch.equal(p.positions[:, 9:15] - p.positions[:, 2:8], torch.full((3, 6), 4))
+    with pytest.raises(ValueError, match="placeholder"):
+        build_prompt([99], [img, img], image_token_id=99, merge_size=2)
+
+
+def test_sampler_greedy_top_p_and_bad_arguments():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    assert Sampler(0.0)(logits) == 1
+    picks = {Sampler(1.0, top_p=0.9, seed=s)(logits) for s in range(50)}
+    assert picks <= {1, 2} and picks == {1, 2}  # the nucleus: the two top tokens only
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(1.0, top_p=0.0)
+
+
+def test_demo_runs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "samcache.demo", "--turns", "2", "--window", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "median TTFT speedup" in out.stdout and "1 known+1 new" in out.stdout
+
+
+def test_engine_benchmark_runs(tmp_path):
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_engine.py"
+    out = subprocess.run([sys.executable, str(bench), "--image-size", "112", "168", "--reps", "1",
+                          "--warmup", "0", "--no-calibrate", "--sweep", "0", "1", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["modes"]["samcache"]["image_reused_tokens"] > 0 and r["modes"]["prefix"]["vit_calls"] == 0
+    assert r["kl_by_recompute"]["1.0"] < 1e-9 <= r["kl_by_recompute"]["0.0"]
