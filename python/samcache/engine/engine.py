@@ -270,10 +270,11 @@ class SAMcacheEngine:
         prompt_ = self.build_prompt(history)
         self._check_fits(prompt_, max_new_tokens)
         pre = self.prefill(prompt_, namespace)
+        fork = None
         try:
             first = sampler(pre.logits)
             pre.metrics.ttft_s = time.perf_counter() - start
-            fork = self.pool.fork(pre.seq) if fidelity else None
+            fork = self.pool.fork(pre.seq) if fidelity else None  # the prefill's KV, kept for the comparison
             self._register(pre, namespace)
             tokens, reason, decode_s = self._decode(pre.seq, first, prompt_.next_position, max_new_tokens, sampler,
                                                     register=self.use_prefix)
@@ -283,6 +284,10 @@ class SAMcacheEngine:
             m.kv_bytes = len(self.pool.block_table(pre.seq)) * self.pool.block_size * self.runner.kv_bytes_per_token
             m.image_kv_store_bytes = self.image_kv_store.used_bytes
             m.latency_s = time.perf_counter() - start
+        except BaseException:
+            if fork is not None:
+                self.pool.free_sequence(fork)
+            raise
         finally:
             self.pool.free_sequence(pre.seq)
         if fork is not None:
