@@ -51,6 +51,15 @@ def full(engine, prompt):
     return ref.logits
 
 
+def second_turn(engine, first_msgs, second_msgs):
+    """Run ``first_msgs`` as a turn, then prefill ``second_msgs``: (first result, prompt, prefill)."""
+    first = engine.chat(messages=first_msgs, max_new_tokens=1)
+    prompt = engine.build_prompt(second_msgs)
+    pre = engine.prefill(prompt, Namespace(engine.model_id))
+    engine.pool.free_sequence(pre.seq)
+    return first, prompt, pre
+
+
 def assert_clean(engine):
     engine.check_invariants()
     assert engine.pool.stats()["live_sequences"] == 0
@@ -103,10 +112,8 @@ def test_greedy_decode_matches_transformers_generate(engines, family):
 def test_recompute_ratio_one_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], recompute_ratio=1.0)
     images = shots(4, 5)
-    engine.chat(messages=messages("First system prompt.", images, "Look."), max_new_tokens=1)
-    prompt = engine.build_prompt(messages("A different, longer system prompt for turn two.", images[::-1], "Now?"))
-    pre = engine.prefill(prompt, Namespace(engine.model_id))
-    engine.pool.free_sequence(pre.seq)
+    _, prompt, pre = second_turn(engine, messages("First system prompt.", images, "Look."),
+                                 messages("A different, longer system prompt for turn two.", images[::-1], "Now?"))
     m = pre.metrics
     assert m.image_reused_tokens == sum(s.length for s in prompt.images) and m.prefix_reused_tokens == 0
     assert m.recomputed_tokens == m.image_reused_tokens and m.recompute_rates == [1.0] * engine.runner.num_layers
@@ -118,10 +125,7 @@ def test_recompute_ratio_one_reproduces_full_prefill(checkpoints, family):
 def test_exact_prefix_reuse_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], image_kv_cache=False)
     msgs = messages("Same prompt twice.", shots(6), "Same question.")
-    first = engine.chat(messages=msgs, max_new_tokens=1)
-    prompt = engine.build_prompt(msgs)
-    pre = engine.prefill(prompt, Namespace(engine.model_id))
-    engine.pool.free_sequence(pre.seq)
+    first, prompt, pre = second_turn(engine, msgs, msgs)
     bs = engine.pool.block_size
     assert first.metrics.prefix_reused_tokens == 0
     assert pre.metrics.prefix_reused_tokens == (len(prompt) - 1) // bs * bs > 0
@@ -134,10 +138,8 @@ def test_exact_prefix_reuse_reproduces_full_prefill(checkpoints, family):
 def test_image_at_the_same_position_with_ratio_zero_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], prefix_cache=False, recompute_ratio=0.0)
     images = shots(7)
-    engine.chat(messages=messages("Fixed system prompt.", images, "First question?"), max_new_tokens=1)
-    prompt = engine.build_prompt(messages("Fixed system prompt.", images, "A second question."))
-    pre = engine.prefill(prompt, Namespace(engine.model_id))
-    engine.pool.free_sequence(pre.seq)
+    _, prompt, pre = second_turn(engine, messages("Fixed system prompt.", images, "First question?"),
+                                 messages("Fixed system prompt.", images, "A second question."))
     assert pre.metrics.image_reused_tokens == prompt.images[0].length and pre.metrics.recomputed_tokens == 0
     torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
     assert_clean(engine)
