@@ -332,3 +332,30 @@ def test_bad_arguments_are_clear_errors(engines, checkpoints):
     with pytest.raises(ValueError, match="image placeholder"):
         engine.chat(prompt="literal <|image_pad|> in text")
     assert_clean(engine)
+
+
+def test_a_failed_decode_step_leaves_no_adoptable_decode_blocks(checkpoints, monkeypatch):
+    path = checkpoints["qwen2_5_vl"]
+    msgs = messages("Decode then fail.", shots(60), "Talk.")
+    good = make_engine(path).chat(messages=msgs, max_new_tokens=20)
+    if len(good.token_ids) < 18:
+        pytest.skip("the model stopped early")
+    engine = make_engine(path)
+    prompt = engine.build_prompt(msgs)
+    real, calls = engine.runner.forward, []
+
+    def fail_on_18th(batch):
+        calls.append(1)
+        if len(calls) == 18:  # the prefill, then the 17th decode step
+            raise RuntimeError("injected decode failure")
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", fail_on_18th)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.chat(messages=msgs, max_new_tokens=20)
+    assert_clean(engine)
+    bs = engine.pool.block_size
+    ids = np.concatenate([prompt.token_ids, np.asarray(good.token_ids[:17], np.int32)])
+    matched = engine.pool.match_prefix(ids, prompt.extra_keys(), namespace=Namespace(engine.model_id))
+    assert len(matched) <= len(prompt) // bs  # no block decode touched is adoptable
+    assert len(matched) >= (len(prompt) - 1) // bs  # the prompt's own blocks still are

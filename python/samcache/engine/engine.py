@@ -9,6 +9,7 @@ new tokens plus the recompute set -> sampling, decode, and registration of what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from samcache.engine.prompt import Prompt, build_prompt, normalize_messages, use
 from samcache.engine.runner import ForwardBatch, ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.stores import TensorStore
-from samcache.errors import PromptTooLong
+from samcache.errors import OutOfBlocks, PromptTooLong
 from samcache.hashing import Namespace
 from samcache.recompute import (
     LayerBudget,
@@ -287,9 +288,10 @@ class SAMcacheEngine:
         except BaseException:
             if fork is not None:
                 self.pool.free_sequence(fork)
+            # A decode step registers a block's hash before its KV is written: drop what decode added.
+            self._discard(pre.seq, table_from=len(prompt_) // self.pool.block_size, hashed=self.use_prefix)
             raise
-        finally:
-            self.pool.free_sequence(pre.seq)
+        self.pool.free_sequence(pre.seq)
         if fork is not None:
             m.fidelity = self._fidelity(prompt_, pre, fork, fidelity_tokens)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -549,9 +551,10 @@ class SAMcacheEngine:
         cached = [int(b) for b in blocks if hashed and self.pool.block_hash(int(b)) is not None]
         if cached:
             self.pool.set_block_priority(np.asarray(cached, dtype=np.int32), _LOWEST)
+        before = self.pool.stats()["evictable_blocks"]
         self.pool.free_sequence(seq)
-        if cached:
-            self.pool.evict(len(cached))
+        if cached:  # lowest priority first: ours; duplicates of cached blocks were freed, not cached
+            self.pool.evict(min(len(cached), self.pool.stats()["evictable_blocks"] - before))
 
     # ---- after the prefill --------------------------------------------------------------------
     def _register(self, pre: _Prefilled, namespace: Namespace) -> None:
@@ -596,11 +599,15 @@ class SAMcacheEngine:
         reason = "stop" if token in self.eos_token_ids else "length"
         return tokens, reason, time.perf_counter() - start
 
-    def _fidelity(self, prompt: Prompt, pre: _Prefilled, fork: int, n_tokens: int) -> Fidelity:
+    def _fidelity(self, prompt: Prompt, pre: _Prefilled, fork: int, n_tokens: int) -> Fidelity | None:
         """The turn (its KV kept in ``fork``) against a full prefill of the same prompt."""
         greedy = Sampler(0.0)
         try:
-            ref = self._full_prefill(prompt, pre.vit)
+            ref = self._full_prefill(prompt)
+        except (PromptTooLong, OutOfBlocks) as e:
+            self.pool.free_sequence(fork)
+            warnings.warn(f"fidelity not measured: the reference prefill does not fit the pool ({e})", stacklevel=3)
+            return None
         except BaseException:
             self.pool.free_sequence(fork)
             raise
@@ -615,7 +622,7 @@ class SAMcacheEngine:
         agree, prefix, count = greedy_agreement(theirs, mine)
         return Fidelity(kl=kl, top1_agree=top1, greedy_agree=agree, greedy_match_prefix=prefix, greedy_tokens=count)
 
-    def _full_prefill(self, prompt: Prompt, vit: dict | None = None) -> _Prefilled:
+    def _full_prefill(self, prompt: Prompt) -> _Prefilled:
         """The reference: every token computed, nothing reused (ViT outputs may come from the
         cache: they do not depend on the context). Not registered in any cache."""
         ns = Namespace(self.model_id, "samcache/reference")
@@ -662,19 +669,22 @@ class SAMcacheEngine:
         self.use_image_kv = self.use_vit_cache = True
         store = self.image_kv_store
         self.image_kv_store = TensorStore("calibration", max(store.index.capacity_bytes, 1))
+        r = self.runner
         try:
-            pre = self.prefill(prime, ns, use_prefix=False, register=False, recompute_ratio=0.0)
-            self._register(pre, ns)
-            self.pool.free_sequence(pre.seq)
-            ref = self._full_prefill(target)
-            r = self.runner
-            ref_table = self.pool.block_table(ref.seq)
+            with self._sequence(self.prefill(prime, ns, use_prefix=False, register=False, recompute_ratio=0.0)) as pre:
+                self._register(pre, ns)
             spans = [ReusedSpan(s.start, s.length) for s in target.images]
             reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans])
-            order = plan_recompute(spans, [reused.size], None, head_fraction=self.head_fraction).order
-            ref_slots = torch.from_numpy(r.slots_for(ref_table, order)).to(r.device)
-            exact_k = r.k_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
-            exact_v = r.v_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
+            # The order the served plan uses: relevance scores from the reused turn itself.
+            with self._sequence(self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0)) as run:
+                new_index = np.setdiff1d(np.arange(len(target)), reused)
+                scores = self._relevance(target, new_index, spans, self.pool.block_table(run.seq), run.vit)
+            order = plan_recompute(spans, [reused.size], scores, head_fraction=self.head_fraction,
+                                   track2_share=self.track2_share).order
+            with self._sequence(self._full_prefill(target)) as ref:
+                ref_slots = torch.from_numpy(r.slots_for(self.pool.block_table(ref.seq), order)).to(r.device)
+                exact_k = r.k_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
+                exact_v = r.v_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
 
             def measure(layer: int, rate: float) -> float:
                 k = math.ceil(rate * order.size - 1e-9)
@@ -684,12 +694,11 @@ class SAMcacheEngine:
                         slots = torch.from_numpy(r.slots_for(table, order[:k])).to(r.device)
                         ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer], slots)
 
-                run = self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0, kv_override=override)
-                self.pool.free_sequence(run.seq)
-                return next_token_fidelity(ref.logits, run.logits)[0]
+                with self._sequence(self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0,
+                                                 kv_override=override)) as run:
+                    return next_token_fidelity(ref.logits, run.logits)[0]
 
             curves = probe_layer_sensitivity(measure, r.num_layers, rates, progress=progress)
-            self.pool.free_sequence(ref.seq)
         finally:
             self.use_image_kv, self.use_vit_cache = saved
             self.image_kv_store = store
@@ -698,6 +707,14 @@ class SAMcacheEngine:
             pathlib.Path(save).write_text(json.dumps({"model_id": self.model_id, "rates": curves.rates.tolist(),
                                                       "loss": curves.loss.tolist()}, indent=1), encoding="utf-8")
         return curves
+
+    @contextlib.contextmanager
+    def _sequence(self, pre: _Prefilled):
+        """``with self._sequence(self.prefill(...)) as pre:`` frees the sequence however the block ends."""
+        try:
+            yield pre
+        finally:
+            self.pool.free_sequence(pre.seq)
 
     def __repr__(self) -> str:
         return (f"SAMcacheEngine({self.family.name}, {self.device}, {self.dtype}, pool={self.pool.num_blocks}x"
