@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
 
 venv: .venv/.ready
-.venv/.ready: | sysdeps
+.venv/.ready: Makefile | sysdeps
 	python3 -m venv --system-site-packages .venv
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "reusing installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -17,7 +17,7 @@ venv: .venv/.ready
 	@# Later installs must never replace this torch (e.g. by a CUDA build pulled in as a dependency).
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
-	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors
+	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 

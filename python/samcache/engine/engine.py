@@ -213,6 +213,7 @@ class SAMcacheEngine:
         self.track2_share = track2_share
         self.sensitivity = self._load_sensitivity(sensitivity)
         self._warned_uniform = False
+        self._solved: dict = {}
         self.vit_store = TensorStore("vit", vit_cache_bytes)
         self.image_kv_store = TensorStore("image_kv", image_kv_cache_bytes or kv_cache_bytes)
         self.seed = seed
@@ -282,7 +283,9 @@ class SAMcacheEngine:
             m = pre.metrics
             m.decode_tokens = len(tokens)
             m.decode_tokens_per_s = (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0
-            m.kv_bytes = len(self.pool.block_table(pre.seq)) * self.pool.block_size * self.runner.kv_bytes_per_token
+            block_bytes = self.pool.block_size * self.runner.kv_bytes_per_token
+            m.kv_bytes = len(self.pool.block_table(pre.seq)) * block_bytes
+            m.kv_pool_bytes = (self.pool.num_blocks - self.pool.stats()["free_blocks"]) * block_bytes
             m.image_kv_store_bytes = self.image_kv_store.used_bytes
             m.latency_s = time.perf_counter() - start
         except BaseException:
@@ -400,8 +403,10 @@ class SAMcacheEngine:
             # 3. Embeddings of the new tokens (ViT for new images), then the recompute plan.
             vit: dict[int, tuple] = {}
             self._ensure_vit(prompt, [i for i, s in enumerate(prompt.images) if is_new[s.start:s.end].any()], vit, m)
-            budget = self._budget(ratio)
-            quota = [min(q, m.image_reused_tokens) for q in budget.tokens_per_layer(m.image_reused_tokens)]
+            quota = []
+            if m.image_reused_tokens:
+                budget = self._budget(ratio)
+                quota = [min(q, m.image_reused_tokens) for q in budget.tokens_per_layer(m.image_reused_tokens)]
             layer_sets: list[np.ndarray] = []
             if quota and quota[0] > 0:
                 scores = self._relevance(prompt, new_index, spans, table, vit)
@@ -409,7 +414,7 @@ class SAMcacheEngine:
                                       track2_share=self.track2_share)
                 layer_sets = [plan.positions(layer) for layer in range(self.runner.num_layers)]
                 self._ensure_vit(prompt, [i for i, _, _ in reused], vit, m)
-            m.recompute_rates = [q / m.image_reused_tokens if m.image_reused_tokens else 0.0 for q in quota]
+            m.recompute_rates = [q / m.image_reused_tokens for q in quota] if quota else [0.0] * self.runner.num_layers
             index = np.union1d(new_index, layer_sets[0]) if layer_sets else new_index
             m.recomputed_tokens = int(index.size - new_index.size)
 
@@ -533,7 +538,10 @@ class SAMcacheEngine:
         if ratio <= 0.0:
             return LayerBudget(rates=np.zeros(layers), expected_loss=0.0, mean_rate=0.0)
         if self.recompute_budget == "layer-aware" and self.sensitivity is not None:
-            return solve_layer_budget(self.sensitivity, ratio)
+            key = (id(self.sensitivity), ratio)  # the solve is the same for every turn: keep it
+            if key not in self._solved:
+                self._solved = {key: solve_layer_budget(self.sensitivity, ratio)}
+            return self._solved[key]
         if self.recompute_budget == "layer-aware" and not self._warned_uniform:
             warnings.warn(
                 "no sensitivity curves for this model yet: the recompute budget is uniform across layers "

@@ -35,6 +35,7 @@ class TurnMetrics:
     image_kv_hits: int = 0
     image_kv_misses: int = 0
     kv_bytes: int = 0  # KV of this turn's sequence in the pool
+    kv_pool_bytes: int = 0  # pool blocks in use or cached at the end of the turn (before it is freed)
     image_kv_store_bytes: int = 0  # all images' KV held for reuse
     decode_tokens: int = 0
     decode_tokens_per_s: float = 0.0

@@ -30,4 +30,40 @@ def screenshot(seed: int, size: tuple[int, int] = (720, 1280)) -> np.ndarray:
     return np.asarray(img)
 
 
-__all__ = ["screenshot"]
+
+def document_page(seed: int, size: tuple[int, int] = (1100, 850)) -> np.ndarray:
+    """An HxWx3 uint8 'document page' drawn from ``seed``: a title, paragraphs of text lines, and
+    now and then a table or a figure box."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    h, w = size
+    img = Image.new("RGB", (w, h), (250, 250, 246))
+    draw = ImageDraw.Draw(img)
+    margin = max(8, w // 12)
+    draw.text((margin, margin), f"Section {seed % 97}: " + "".join(chr(65 + int(c)) for c in rng.integers(0, 26, 10)),
+              fill=(10, 10, 10))
+    y = margin + 30
+    while y < h - margin:
+        kind = rng.random()
+        if kind < 0.12 and y + 120 < h - margin:  # a table
+            rows, cols = int(rng.integers(3, 6)), int(rng.integers(2, 5))
+            cw = (w - 2 * margin) // cols
+            for r in range(rows):
+                for c in range(cols):
+                    draw.rectangle([margin + c * cw, y + r * 20, margin + (c + 1) * cw, y + (r + 1) * 20], outline=(60, 60, 60))
+                    draw.text((margin + c * cw + 4, y + r * 20 + 4), str(int(rng.integers(0, 10000))), fill=(0, 0, 0))
+            y += rows * 20 + 16
+        elif kind < 0.2 and y + 140 < h - margin:  # a figure
+            draw.rectangle([margin, y, w - margin, y + 120], fill=tuple(int(c) for c in rng.integers(150, 240, 3)))
+            draw.line([margin, y + 120, w - margin, y + int(rng.integers(0, 120))], fill=(200, 30, 30), width=3)
+            y += 136
+        else:  # a text line
+            words = " ".join("".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(rng.integers(2, 9))))
+                             for _ in range(int(rng.integers(6, 14))))
+            draw.text((margin, y), words, fill=(30, 30, 30))
+            y += 16
+    return np.asarray(img)
+
+
+__all__ = ["document_page", "screenshot"]

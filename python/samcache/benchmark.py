@@ -1,0 +1,218 @@
+"""The agent workload benchmark: one trace, several modes of the same engine, per-turn metrics.
+
+Every mode gets its own engine (fresh caches) over the same checkpoint; the trace runs turn by
+turn, each turn through every mode before the next, in one process, so the numbers are
+comparable and slow drifts of the machine hit every mode alike. Modes:
+
+========================  ==========================================================================
+``baseline``              no reuse: every image encoded, every token prefilled
+``prefix``                exact prefix caching + per-image ViT cache (what vLLM and SGLang do today)
+``samcache``              + image KV reused at any position, two-track recompute, layer-aware budget
+``no-recompute``          samcache with recompute 0 (ablation)
+``head-only``             samcache with track 1 only: span heads, no relevance track (ablation)
+``uniform-budget``        samcache with the same rate at every layer (ablation: VLCache's assumption)
+========================  ==========================================================================
+
+``recompute`` ratios apply to the modes that recompute (samcache, head-only, uniform-budget):
+each ratio is a separate run, which gives the speed / fidelity curve. Fidelity is measured
+against a full prefill of the same prompt (what ``baseline`` computes) on every turn of every
+other mode, outside the timed path.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from samcache.workloads import Trace
+
+
+@dataclass(frozen=True)
+class Mode:
+    description: str
+    engine_kwargs: dict[str, Any]
+    recomputes: bool = False  # takes the benchmark's recompute ratios
+    layer_aware: bool = False  # needs the calibrated sensitivity curves
+
+
+MODES: dict[str, Mode] = {
+    "baseline": Mode("no reuse: every image encoded, every token prefilled", {"cache_enabled": False}),
+    "prefix": Mode("exact prefix caching + per-image ViT cache (vLLM / SGLang today)", {"image_kv_cache": False}),
+    "samcache": Mode("image KV reused at any position, two-track recompute, layer-aware budget", {},
+                     recomputes=True, layer_aware=True),
+    "no-recompute": Mode("samcache without recompute", {"recompute_ratio": 0.0}),
+    "head-only": Mode("samcache, recompute track 1 only (span heads)", {"track2_share": 0.0},
+                      recomputes=True, layer_aware=True),
+    "uniform-budget": Mode("samcache, the same recompute rate at every layer", {"recompute_budget": "uniform"},
+                           recomputes=True),
+}
+
+
+def parse_modes(modes: str | Sequence[str]) -> list[str]:
+    names = [m.strip() for m in modes.split(",")] if isinstance(modes, str) else list(modes)
+    names = [m for m in names if m]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
+    try:
+        values = [float(r) for r in ratios.split(",") if r.strip()] if isinstance(ratios, str) else [float(r) for r in ratios]
+    except ValueError:
+        raise ValueError(f"recompute ratios must be numbers separated by commas, got {ratios!r}") from None
+    if not values or any(not 0.0 <= r <= 1.0 for r in values):
+        raise ValueError(f"recompute ratios must be in [0, 1], got {ratios!r}")
+    return values
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
+
+
+def summarize(turns: list[dict]) -> dict[str, Any]:
+    """Aggregates of one run's per-turn records."""
+    ttft = [t["ttft_s"] for t in turns]
+    total = lambda k: int(sum(t[k] for t in turns))  # noqa: E731
+    images = total("images")
+    kv_lookups = total("image_kv_hits") + total("image_kv_misses")
+    fid = [t["fidelity"] for t in turns if t.get("fidelity")]
+    decode = [t["decode_tokens_per_s"] for t in turns if t["decode_tokens_per_s"] > 0]
+    return {
+        "ttft_p50_ms": 1e3 * _percentile(ttft, 50),
+        "ttft_p95_ms": 1e3 * _percentile(ttft, 95),
+        "latency_p50_ms": 1e3 * _percentile([t["latency_s"] for t in turns], 50),
+        "prompt_tokens": total("prompt_tokens"),
+        "prefilled_tokens": total("prefilled_tokens"),
+        "prefix_reused_tokens": total("prefix_reused_tokens"),
+        "image_reused_tokens": total("image_reused_tokens"),
+        "recomputed_tokens": total("recomputed_tokens"),
+        "computed_tokens": total("prefilled_tokens") + total("recomputed_tokens"),
+        "vit_calls": total("vit_calls"),
+        "vit_hit_rate": total("vit_hits") / images if images else 0.0,
+        "prefix_hit_rate": total("prefix_reused_tokens") / max(1, total("prompt_tokens")),
+        "image_kv_hit_rate": total("image_kv_hits") / kv_lookups if kv_lookups else 0.0,
+        "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20,
+        "decode_tokens_per_s": statistics.median(decode) if decode else 0.0,
+        "fidelity": {
+            "kl_median": statistics.median(f["kl"] for f in fid),
+            "kl_mean": statistics.mean(f["kl"] for f in fid),
+            "top1_agree": sum(f["top1_agree"] for f in fid) / len(fid),
+            "greedy_agree": statistics.mean(f["greedy_agree"] for f in fid),
+        } if fid else None,
+    }
+
+
+def _kv_held(engine, metrics) -> int:
+    """KV memory of a turn: the pool blocks in use or cached at the end of the turn plus the
+    image-KV store (on CUDA too: the engines of all modes share one device allocator)."""
+    return metrics.kv_pool_bytes + engine.image_kv_store.used_bytes
+
+
+def run_benchmark(
+    trace: Trace,
+    model_path,
+    *,
+    modes: Sequence[str] = ("baseline", "prefix", "samcache"),
+    recompute: Sequence[float] = (0.05,),
+    device: str = "cpu",
+    dtype: str | None = None,
+    fidelity: bool = True,
+    fidelity_tokens: int = 4,
+    calibrate: bool = True,
+    engine_kwargs: dict[str, Any] | None = None,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready)."""
+    from samcache.engine import SAMcacheEngine
+
+    modes = parse_modes(modes)
+    recompute = parse_ratios(recompute)
+    base = {"device": device, "dtype": dtype, **(engine_kwargs or {})}
+    runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
+    curves = None
+    meta: dict[str, Any] = {}
+    if any(MODES[m].layer_aware for m, _ in runs) and calibrate:
+        probe = SAMcacheEngine(model_path, **base)
+        t0 = time.perf_counter()
+        curves = probe.calibrate(progress=progress)
+        meta["calibration_s"] = time.perf_counter() - t0
+        del probe
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(runs) * len(trace.turns), desc=f"samcache bench {trace.scenario}", unit="turn")
+    engines = []
+    for mode, ratio in runs:
+        kw = {**base, **MODES[mode].engine_kwargs}
+        if ratio is not None:
+            kw["recompute_ratio"] = ratio
+        if MODES[mode].layer_aware:
+            kw["sensitivity"] = curves
+            if curves is None:
+                kw["recompute_budget"] = "uniform"
+        engine = SAMcacheEngine(model_path, **kw)
+        meta.setdefault("family", engine.family.name)
+        meta.setdefault("parameters", sum(p.numel() for p in engine.runner.model.parameters()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.chat(prompt="warm-up", max_new_tokens=2)  # first-call costs out of the timed turns
+        engines.append(engine)
+    per_run: list[list[dict]] = [[] for _ in runs]
+    try:
+        # Turn by turn, every run in turn, starting one run later each turn: slow drifts of a shared
+        # machine and the cache state left by the previous run hit every mode alike.
+        for t, turn in enumerate(trace.turns):
+            messages = turn.resolved()
+            for i in [(t + k) % len(runs) for k in range(len(runs))]:
+                (mode, _), engine = runs[i], engines[i]
+                r = engine.chat(messages=messages, max_new_tokens=turn.max_new_tokens,
+                                fidelity=fidelity and mode != "baseline", fidelity_tokens=fidelity_tokens)
+                rec = r.metrics.to_dict()
+                rec["label"] = turn.label
+                rec["kv_held_bytes"] = _kv_held(engine, r.metrics)
+                per_run[i].append(rec)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    results = []
+    for (mode, ratio), engine, turns in zip(runs, engines, per_run):
+        engine.check_invariants()
+        results.append({
+            "mode": mode,
+            "recompute": ratio,
+            "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
+            "recompute_rates": turns[-1]["recompute_rates"],
+            "budget": "layer-aware" if MODES[mode].layer_aware and curves is not None else
+                      ("uniform" if MODES[mode].recomputes else "-"),
+            "turns": turns,
+            "summary": summarize(turns),
+        })
+    meta.update({
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": command,
+        "model_path": str(model_path),
+        "device": torch.cuda.get_device_name() if device == "cuda" else
+                  f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "dtype": dtype or ("bfloat16" if device == "cuda" else "float32"),
+        "fidelity_tokens": fidelity_tokens if fidelity else 0,
+        "sensitivity": {"rates": curves.rates.tolist(), "loss": curves.loss.tolist()} if curves is not None else None,
+    })
+    return {"meta": meta, "trace": trace.summary(), "modes": {m: MODES[m].description for m in modes}, "runs": results}
+
+
+__all__ = ["MODES", "Mode", "parse_modes", "parse_ratios", "run_benchmark", "summarize"]

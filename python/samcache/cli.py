@@ -1,0 +1,127 @@
+"""``samcache`` command line: ``samcache bench`` runs an agent workload benchmark, ``samcache
+report`` rebuilds its report from the JSON.
+
+    samcache bench --scenario gui --modes baseline,prefix,samcache [--model DIR] [--turns 20]
+    samcache bench --scenario gui --modes samcache --recompute 0,0.02,0.05,0.1,0.2,1.0
+    samcache report bench/out/gui/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+import tempfile
+
+
+def _bench(args) -> int:
+    from samcache.benchmark import parse_modes, parse_ratios, run_benchmark
+    from samcache.report import write_report
+    from samcache.workloads import make_trace
+
+    try:
+        modes = parse_modes(args.modes)
+        ratios = parse_ratios(args.recompute)
+    except ValueError as e:
+        print(f"samcache bench: {e}", file=sys.stderr)
+        return 2
+    params = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
+    if args.turns is not None:
+        params["turns"] = args.turns
+    if args.window is not None:
+        params["window"] = args.window
+    if args.image_size is not None:
+        params["size"] = tuple(args.image_size)
+    try:
+        trace = make_trace(args.scenario, **params)
+    except ValueError as e:
+        print(f"samcache bench: {e}", file=sys.stderr)
+        return 2
+    model = args.model
+    if model is None:
+        from samcache.models import build_tiny_model
+
+        model = build_tiny_model(args.family, pathlib.Path(tempfile.mkdtemp(prefix="samcache-bench-")) / args.family)
+        print(f"built a tiny random-weight {args.family} checkpoint in {model}", file=sys.stderr)
+    elif not pathlib.Path(model).is_dir():
+        print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
+        return 2
+    command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
+    results = run_benchmark(
+        trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
+        fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
+        progress=not args.quiet, command=command,
+    )
+    out = pathlib.Path(args.out or f"bench/out/{args.scenario}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    report = write_report(results, out)
+    prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
+    print(f"{'run':<22}{'TTFT p50':>11}{'TTFT p95':>11}{'vs prefix':>10}{'computed':>10}{'KL median':>11}")
+    for r in results["runs"]:
+        s = r["summary"]
+        ratio = f"{prefix['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x" if prefix else "-"
+        kl = f"{s['fidelity']['kl_median']:.2e}" if s["fidelity"] else "exact"
+        print(f"{r['name']:<22}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_p95_ms']:>8.1f} ms{ratio:>10}"
+              f"{s['computed_tokens']:>10}{kl:>11}")
+    print(f"wrote {out / 'results.json'} and {report}")
+    return 0
+
+
+def _report(args) -> int:
+    from samcache.report import write_report
+
+    path = pathlib.Path(args.results)
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+        report = write_report(results, args.out or path.parent)
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"samcache report: cannot build a report from {path}: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {report}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from samcache.benchmark import MODES
+    from samcache.workloads import SCENARIOS
+
+    p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="run an agent workload benchmark",
+                       description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
+    b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    b.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated, from: " + ", ".join(MODES))
+    b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
+    b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])
+    b.add_argument("--device", default="cpu", help="cpu or cuda")
+    b.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+    b.add_argument("--turns", type=int, help="turns of the scenario (gui 20, docs 12, chat 8 by default)")
+    b.add_argument("--window", type=int, help="gui: screenshots kept in the prompt (default 4)")
+    b.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), help="image size (default: real sizes)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--recompute", default="0.05", help="recompute ratio(s), comma-separated: a sweep")
+    b.add_argument("--max-new-tokens", type=int, default=8)
+    b.add_argument("--fidelity-tokens", type=int, default=4)
+    b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
+    b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
+    b.add_argument("--out", help="output folder (default bench/out/SCENARIO)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--command", help=argparse.SUPPRESS)
+    b.set_defaults(func=_bench)
+    r = sub.add_parser("report", help="rebuild report.md and the plots from results.json")
+    r.add_argument("results")
+    r.add_argument("--out", help="output folder (default: the folder of results.json)")
+    r.set_defaults(func=_report)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

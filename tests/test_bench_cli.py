@@ -1,0 +1,78 @@
+"""`samcache bench` / `samcache report`: every mode on a 3-turn trace, the report, bad input."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from samcache.benchmark import MODES, parse_modes, run_benchmark  # noqa: E402
+from samcache.cli import main  # noqa: E402
+from samcache.models import build_tiny_model  # noqa: E402
+from samcache.report import write_report  # noqa: E402
+from samcache.workloads import make_trace  # noqa: E402
+
+SMALL = ["--image-size", "112", "168"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def results(model):
+    trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
+    return run_benchmark(trace, model, modes=list(MODES), recompute=[0.05, 0.5], fidelity_tokens=2,
+                         progress=False, command="test")
+
+
+def test_every_mode_runs_a_three_turn_trace(results):
+    names = [r["name"] for r in results["runs"]]
+    assert names == ["baseline", "prefix", "samcache@0.05", "samcache@0.5", "no-recompute", "head-only@0.05",
+                     "head-only@0.5", "uniform-budget@0.05", "uniform-budget@0.5"]
+    by = {r["name"]: r for r in results["runs"]}
+    for r in results["runs"]:
+        assert len(r["turns"]) == 3 and r["summary"]["ttft_p50_ms"] > 0
+    assert by["baseline"]["summary"]["vit_calls"] == results["trace"]["images_sent"] == 5
+    assert by["prefix"]["summary"]["vit_calls"] == 3 and by["prefix"]["summary"]["image_reused_tokens"] == 0
+    assert by["samcache@0.05"]["summary"]["image_reused_tokens"] > 0  # turn 3 moved screenshot 1 up
+    assert by["no-recompute"]["summary"]["recomputed_tokens"] == 0
+    assert by["samcache@0.5"]["summary"]["recomputed_tokens"] > by["samcache@0.05"]["summary"]["recomputed_tokens"]
+    assert by["baseline"]["summary"]["fidelity"] is None
+    assert by["samcache@0.05"]["summary"]["fidelity"]["kl_median"] >= 0
+    assert by["uniform-budget@0.05"]["budget"] == "uniform" and by["samcache@0.05"]["budget"] == "layer-aware"
+    assert results["meta"]["sensitivity"] is not None
+
+
+def test_report_builds_from_a_results_file(results, tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["report", str(tmp_path / "results.json")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## What was run" in text and "`samcache@0.05`" in text and "## Reproduce" in text
+    for png in ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    with pytest.raises(ValueError, match="missing"):
+        write_report({"runs": []}, tmp_path)
+
+
+def test_bench_cli_writes_results_and_report(model, tmp_path, capsys):
+    rc = main(["bench", "--scenario", "chat", "--turns", "2", "--modes", "prefix,samcache", "--model", str(model),
+               "--out", str(tmp_path), "--quiet", "--max-new-tokens", "2", *SMALL])
+    assert rc == 0
+    assert json.loads((tmp_path / "results.json").read_text())["trace"]["scenario"] == "chat"
+    assert (tmp_path / "report.md").exists() and "vs prefix" in capsys.readouterr().out
+
+
+def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
+    assert main(["bench", "--scenario", "gui", "--modes", "prefix,turbo", "--model", str(model)]) == 2
+    assert "unknown mode(s) turbo; choose from baseline, prefix, samcache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--scenario", "movies"])
+    assert "invalid choice: 'movies'" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--recompute", "0.05,2", "--model", str(model)]) == 2
+    assert main(["bench", "--scenario", "gui", "--model", "/nonexistent"]) == 2
+    assert main(["report", "/nonexistent/results.json"]) == 2
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("")

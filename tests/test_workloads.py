@@ -1,0 +1,53 @@
+"""Agent workload traces: deterministic per seed, shaped as each scenario promises."""
+
+import numpy as np
+import pytest
+
+from samcache.workloads import SCENARIOS, ImageRef, make_trace, materialize
+
+SMALL = (56, 84)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_traces_are_deterministic_for_a_seed(scenario):
+    a = make_trace(scenario, seed=3, size=SMALL)
+    b = make_trace(scenario, seed=3, size=SMALL)
+    c = make_trace(scenario, seed=4, size=SMALL)
+    assert a.to_json() == b.to_json()
+    assert a.to_json() != c.to_json()
+    ref = a.turns[0].images()[0]
+    assert np.array_equal(materialize(ref), materialize(ImageRef(ref.kind, ref.seed, ref.size)))
+    assert materialize(ref).shape == (*SMALL, 3)
+
+
+def test_gui_slides_a_window_so_images_repeat_at_new_positions():
+    t = make_trace("gui", turns=6, window=4, size=SMALL)
+    windows = [turn.images() for turn in t.turns]
+    assert [len(w) for w in windows] == [1, 2, 3, 4, 4, 4]
+    for prev, cur in zip(windows[3:], windows[4:]):
+        assert cur[:-1] == prev[1:] and cur[-1] not in prev  # oldest dropped, one new, the rest moved up
+    assert t.summary()["distinct_images"] == 6
+
+
+def test_docs_branch_and_chat_shapes():
+    d = make_trace("docs", turns=5, pages=4, per_turn=3, size=SMALL)
+    assert all(len(turn.images()) == 3 for turn in d.turns)
+    assert len({img for turn in d.turns for img in turn.images()}) <= 4
+    b = make_trace("branch", branches=3, images=2, continue_turns=2, size=SMALL)
+    assert [turn.label for turn in b.turns] == ["plan", "branch 0", "branch 1", "branch 2", "continue 0", "continue 1"]
+    assert len({turn.messages[0]["content"] for turn in b.turns[:4]}) == 4  # a system prompt each
+    assert all(turn.images() == b.turns[0].images() for turn in b.turns)
+    c = make_trace("chat", turns=3, size=SMALL)
+    assert [len(turn.messages) for turn in c.turns] == [2, 4, 6]  # history grows, one image throughout
+    assert c.turns[1].messages[:2] == c.turns[0].messages
+
+
+def test_unknown_scenario_or_parameter_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown scenario 'nope'; choose from gui, docs, branch, chat"):
+        make_trace("nope")
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        make_trace("gui", pages=3)
+    with pytest.raises(ValueError, match="turns must be an int >= 1"):
+        make_trace("chat", turns=0)
+    with pytest.raises(ValueError, match="per_turn"):
+        make_trace("docs", pages=2, per_turn=3)
