@@ -244,8 +244,9 @@ def test_images_as_paths_pil_and_arrays_hash_alike(engines, tmp_path):
 # ---- the layer-aware budget ----------------------------------------------------------------------
 def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_path):
     engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
-    with pytest.warns(UserWarning, match="uniform across layers"):
-        engine.chat(images=shots(40), prompt="x", max_new_tokens=1)
+    engine.chat(images=shots(40), prompt="x", max_new_tokens=1)
+    with pytest.warns(UserWarning, match="uniform across layers"):  # the first turn that reuses an image
+        engine.chat(messages=messages("Another system prompt.", shots(40), "y"), max_new_tokens=1)
     curves = engine.calibrate(rates=(0.0, 0.1, 0.5, 1.0), save=tmp_path / "curves.json", progress=False)
     L = engine.runner.num_layers
     assert curves.loss.shape == (L, 4)
