@@ -98,7 +98,7 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
         "recomputed_tokens": total("recomputed_tokens"),
         "computed_tokens": total("prefilled_tokens") + total("recomputed_tokens"),
         "vit_calls": total("vit_calls"),
-        "vit_hit_rate": total("vit_hits") / images if images else 0.0,
+        "vit_skipped_rate": 1.0 - total("vit_calls") / images if images else 0.0,  # images never encoded
         "prefix_hit_rate": total("prefix_reused_tokens") / max(1, total("prompt_tokens")),
         "image_kv_hit_rate": total("image_kv_hits") / kv_lookups if kv_lookups else 0.0,
         "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20,

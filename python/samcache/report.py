@@ -18,6 +18,7 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker)
 
     runs = results["runs"]
     made = []
@@ -26,6 +27,7 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
         ax.plot(range(len(run["turns"])), [1e3 * t["ttft_s"] for t in run["turns"]], marker="o", ms=3, label=run["name"])
     ax.set(xlabel="turn", ylabel="TTFT (ms)", title=f"TTFT per turn: {results['trace']['scenario']} scenario")
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -33,16 +35,21 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
     plt.close(fig)
     made.append(PLOTS[0])
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     names = [r["name"] for r in runs]
     bottom = [0.0] * len(runs)
-    for key, label in (("prefilled_tokens", "prefilled"), ("recomputed_tokens", "recomputed"),
-                       ("image_reused_tokens", "image KV reused"), ("prefix_reused_tokens", "prefix reused")):
-        vals = [r["summary"][key] for r in runs]
+    parts = (  # recomputed tokens are image-KV-reused tokens that were computed again: count them once
+        ("prefilled", lambda s: s["prefilled_tokens"]),
+        ("recomputed", lambda s: s["recomputed_tokens"]),
+        ("image KV reused", lambda s: s["image_reused_tokens"] - s["recomputed_tokens"]),
+        ("prefix reused", lambda s: s["prefix_reused_tokens"]),
+    )
+    for label, value in parts:
+        vals = [value(r["summary"]) for r in runs]
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set(ylabel="prompt tokens, all turns", title="Where each prompt token's KV came from")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
     fig.savefig(out / PLOTS[1], dpi=110)
@@ -104,7 +111,7 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "## Results",
         "",
         "| run | TTFT p50 | TTFT p95 | latency p50 | vs prefix | vs baseline | computed tokens | prefix reused "
-        "| image KV reused | recomputed | ViT calls | hit rate prefix / ViT / image KV | peak KV | decode tok/s "
+        "| image KV reused | recomputed | ViT calls | prefix hit / ViT skipped / image-KV hit | peak KV | decode tok/s "
         "| KL median | top-1 | greedy |",
         "| --- " * 17 + "|",
     ]
@@ -117,7 +124,7 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
             f"| `{r['name']}` | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p95_ms']:.1f} ms | {s['latency_p50_ms']:.1f} ms "
             f"| {vs_prefix} | {vs_base} | {s['computed_tokens']:,} | {s['prefix_reused_tokens']:,} "
             f"| {s['image_reused_tokens']:,} | {s['recomputed_tokens']:,} | {s['vit_calls']} "
-            f"| {s['prefix_hit_rate']:.0%} / {s['vit_hit_rate']:.0%} / {s['image_kv_hit_rate']:.0%} "
+            f"| {s['prefix_hit_rate']:.0%} / {s['vit_skipped_rate']:.0%} / {s['image_kv_hit_rate']:.0%} "
             f"| {s['peak_kv_mib']:.1f} MiB | {s['decode_tokens_per_s']:.1f} | {kl} | {top1} | {greedy} |"
         )
     recomputing = [r for r in runs if r["recompute"] is not None]
@@ -125,7 +132,9 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         lines += ["", "Per-layer recompute rates (last turn): " + "; ".join(
             f"`{r['name']}` {r['budget']} {[round(x, 3) for x in r['recompute_rates']]}" for r in recomputing)]
     lines += ["", "Computed tokens = prefilled from scratch + recomputed; \"vs\" columns are TTFT p50 ratios "
-              "(higher is faster than that mode). Peak KV counts the pool blocks in use or cached at the end of a "
+              "(higher is faster than that mode). Prefix hit = prompt tokens adopted from the prefix cache; ViT skipped = "
+              "images not run through the vision tower; image-KV hit = known-image lookups past the prefix that hit. "
+              "Peak KV counts the pool blocks in use or cached at the end of a "
               "turn plus the image-KV store.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -147,6 +156,10 @@ def write_report(results: dict[str, Any], out_dir) -> pathlib.Path:
             raise ValueError(f"not a samcache benchmark result: the key {key!r} is missing")
     if not results["runs"]:
         raise ValueError("the results hold no runs")
+    from samcache.benchmark import summarize
+
+    for run in results["runs"]:  # aggregates always follow from the per-turn records
+        run["summary"] = summarize(run["turns"])
     plots = _plots(results, out)
     path = out / "report.md"
     path.write_text(render(results, plots), encoding="utf-8")
