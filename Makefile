@@ -96,6 +96,7 @@ gpu:
 	for b in paged_kv rope kv_quant token_merge sparse_attention; do \
 	  $(GPU_PY) bench/bench_$$b.py --device cuda 2>&1 | tee $${OUT:-/tmp}/gpu-bench-$$b.txt; done
 	$(GPU_PY) bench/bench_engine.py --device cuda --dtype bfloat16 --reps 5 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-tiny.txt
+	$(GPU_PY) -m samcache bench --scenario gui --device cuda --quiet --out $${OUT:-/tmp}/gpu-gui-tiny 2>&1 | tail -12
 	$(GPU_PY) bench/bench_engine.py --device cuda --preset qwen2.5-vl-7b --dtype bfloat16 --reps 3 --no-calibrate \
 	  --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
 

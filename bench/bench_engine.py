@@ -31,19 +31,7 @@ import torch
 
 from samcache.engine import SAMcacheEngine, screenshot
 from samcache.engine.prompt import user_message
-from samcache.models import build_tiny_model
-
-# The text and vision sizes of Qwen2.5-VL-7B-Instruct's config (random weights; the tiny tokenizer).
-PRESETS = {
-    "tiny": {},
-    "qwen2.5-vl-7b": dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, max_window_layers=28, mrope_section=[16, 24, 24],
-        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112),
-    ),
-}
-
+from samcache.models import PRESETS, build_tiny_model
 
 def conversation(system: str, images, question: str):
     return [{"role": "system", "content": system}, user_message(images, question)]

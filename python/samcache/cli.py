@@ -43,8 +43,15 @@ def _bench(args) -> int:
     if model is None:
         from samcache.models import build_tiny_model
 
-        model = build_tiny_model(args.family, pathlib.Path(tempfile.mkdtemp(prefix="samcache-bench-")) / args.family)
-        print(f"built a tiny random-weight {args.family} checkpoint in {model}", file=sys.stderr)
+        from samcache.models import PRESETS
+
+        if args.preset not in PRESETS:
+            print(f"samcache bench: unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+            return 2
+        sizes = PRESETS[args.preset] | ({"dtype": args.dtype} if args.preset != "tiny" and args.dtype else {})
+        model = build_tiny_model(args.family, pathlib.Path(tempfile.mkdtemp(prefix="samcache-bench-")) / args.family,
+                                 **sizes)
+        print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}", file=sys.stderr)
     elif not pathlib.Path(model).is_dir():
         print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
         return 2
@@ -96,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated, from: " + ", ".join(MODES))
     b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
     b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])
+    b.add_argument("--preset", default="tiny", help="sizes of the built checkpoint: tiny or qwen2.5-vl-7b (GPU)")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     b.add_argument("--turns", type=int, help="turns of the scenario (gui 20, docs 12, chat 8 by default)")

@@ -13,6 +13,18 @@ Needs the optional dependencies ``transformers``, ``tokenizers`` and ``safetenso
 from samcache.models.build import DEFAULTS, FAMILIES, build_tiny_model, describe, load_processor, resolve_config
 from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, SPECIAL_TOKENS, TOKENIZER_SIZE, build_tokenizer
 
+#: Size presets for build_tiny_model(family, dir, **PRESETS[name]): the real text and vision sizes
+#: of public checkpoints with random weights (and the tiny tokenizer), for GPU benchmarks.
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    "qwen2.5-vl-7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_window_layers=28, mrope_section=[16, 24, 24],
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112),
+    ),
+}
+
 MODEL_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
@@ -32,6 +44,7 @@ __all__ = [
     "DEFAULTS",
     "FAMILIES",
     "MODEL_CLASSES",
+    "PRESETS",
     "SPECIAL_TOKENS",
     "SPECIAL_TOKEN_IDS",
     "TOKENIZER_SIZE",
