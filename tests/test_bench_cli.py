@@ -24,7 +24,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(model):
     trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
-    return run_benchmark(trace, model, modes=list(MODES), recompute=[0.05, 0.5], fidelity_tokens=2,
+    return run_benchmark(trace, model, modes=list(MODES), recompute=[0.05, 0.5, 0.05], fidelity_tokens=2,
                          progress=False, command="test")
 
 
@@ -44,6 +44,32 @@ def test_every_mode_runs_a_three_turn_trace(results):
     assert by["samcache@0.05"]["summary"]["fidelity"]["kl_median"] >= 0
     assert by["uniform-budget@0.05"]["budget"] == "uniform" and by["samcache@0.05"]["budget"] == "layer-aware"
     assert results["meta"]["sensitivity"] is not None
+    # head-only never recomputes past the span heads (10% of each reused span), whatever the ratio
+    heads_only = by["head-only@0.5"]["turns"]
+    assert all(t["recomputed_tokens"] <= -(-t["image_reused_tokens"] // 10) + 1 for t in heads_only)
+    assert by["samcache@0.5"]["summary"]["recomputed_tokens"] > by["head-only@0.5"]["summary"]["recomputed_tokens"]
+    # every mode decoded the same number of tokens (end-of-turn ignored)
+    assert {t["decode_tokens"] for r in results["runs"] for t in r["turns"]} == {2}
+
+
+def test_summarize_from_known_records():
+    from samcache.benchmark import summarize
+
+    def rec(ttft, **kw):
+        base = dict(ttft_s=ttft, latency_s=2 * ttft, prompt_tokens=100, prefilled_tokens=40, prefix_reused_tokens=32,
+                    image_reused_tokens=28, recomputed_tokens=4, recomputed_token_layers=6, images=2, vit_calls=1,
+                    vit_hits=1, image_kv_hits=1, image_kv_misses=1, kv_bytes=2**20, kv_held_bytes=3 * 2**20,
+                    decode_tokens_per_s=10.0, recompute_rates=[0.15, 0.07], fidelity=None)
+        return {**base, **kw}
+
+    s = summarize([rec(0.1), rec(0.2), rec(0.3, kv_held_bytes=5 * 2**20), rec(0.4)])
+    assert s["ttft_p50_ms"] == pytest.approx(250.0) and s["ttft_p95_ms"] == pytest.approx(385.0)
+    assert s["computed_tokens"] == 4 * 40 + 4 * 6 // 2  # recompute counted per layer: 6 token-layers / 2 layers
+    assert s["prefix_hit_rate"] == pytest.approx(0.32) and s["vit_skipped_rate"] == pytest.approx(0.5)
+    assert s["image_kv_hit_rate"] == pytest.approx(0.5) and s["peak_kv_mib"] == pytest.approx(5.0)
+    assert s["fidelity"] is None
+    off = summarize([rec(0.1, images=0, vit_calls=0, vit_hits=0, image_kv_hits=0, image_kv_misses=0)])
+    assert off["vit_skipped_rate"] is None and off["image_kv_hit_rate"] is None
 
 
 def test_report_builds_from_a_results_file(results, tmp_path):
@@ -51,6 +77,10 @@ def test_report_builds_from_a_results_file(results, tmp_path):
     assert main(["report", str(tmp_path / "results.json")]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "## What was run" in text and "`samcache@0.05`" in text and "## Reproduce" in text
+    row = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| `")}
+    assert row["`samcache@0.5`"][2].strip() == "0.5" and row["`baseline`"][2].strip() == "-"
+    assert row["`baseline`"][13].strip() == "- / - / -" and row["`prefix`"][13].strip().endswith("/ -")
+    assert "exact" in row["`baseline`"][16] and "2 tokens a turn in every mode" in text
     for png in ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png"):
         assert (tmp_path / png).stat().st_size > 1000
     with pytest.raises(ValueError, match="missing"):
@@ -72,6 +102,12 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
         main(["bench", "--scenario", "movies"])
     assert "invalid choice: 'movies'" in capsys.readouterr().err
     assert main(["bench", "--scenario", "gui", "--recompute", "0.05,2", "--model", str(model)]) == 2
+    assert "recompute ratios must be in [0, 1]" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--image-size", "0", "84", "--model", str(model)]) == 2
+    assert "size must be (height, width)" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--device", "gpu", "--model", str(model), "--quiet",
+                 "--turns", "1", *SMALL]) == 2
+    assert "device must be" in capsys.readouterr().err
     assert main(["bench", "--scenario", "gui", "--model", "/nonexistent"]) == 2
     assert main(["report", "/nonexistent/results.json"]) == 2
     with pytest.raises(ValueError, match="unknown mode"):

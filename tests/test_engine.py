@@ -29,7 +29,8 @@ def checkpoints(tmp_path_factory):
 def make_engine(path, **kw):
     kw.setdefault("recompute_budget", "uniform")
     kw.setdefault("kv_cache_bytes", 16 << 20)
-    return SAMcacheEngine(path, device="cpu", **kw)
+    kw.setdefault("device", "cpu")
+    return SAMcacheEngine(path, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -360,3 +361,28 @@ def test_a_failed_decode_step_leaves_no_adoptable_decode_blocks(checkpoints, mon
     matched = engine.pool.match_prefix(ids, prompt.extra_keys(), namespace=Namespace(engine.model_id))
     assert len(matched) <= len(prompt) // bs  # no block decode touched is adoptable
     assert len(matched) >= (len(prompt) - 1) // bs  # the prompt's own blocks still are
+
+
+def test_heads_only_recompute_shared_weights_and_fixed_length_decode(checkpoints):
+    path = checkpoints["qwen2_5_vl"]
+    both = make_engine(path, recompute_ratio=0.5)
+    heads = make_engine(path, recompute_ratio=0.5, recompute_tracks="heads", share_weights_with=both)
+    assert heads.runner.model is both.runner.model and heads.runner.k_cache is not both.runner.k_cache
+    images = shots(70, 71)
+    first, second = messages("One.", images, "a"), messages("Another system prompt.", images[::-1], "b")
+    for engine in (both, heads):
+        engine.chat(messages=first, max_new_tokens=1)
+    r_both = both.chat(messages=second, max_new_tokens=5, ignore_eos=True)
+    r_heads = heads.chat(messages=second, max_new_tokens=5, ignore_eos=True)
+    spans = both.build_prompt(second).images
+    head_tokens = sum(-(-s.length // 10) for s in spans)
+    assert r_heads.metrics.recomputed_tokens == head_tokens < r_both.metrics.recomputed_tokens
+    assert r_both.metrics.decode_tokens == r_heads.metrics.decode_tokens == 5
+    assert r_both.metrics.recomputed_token_layers == sum(
+        round(rate * r_both.metrics.image_reused_tokens) for rate in r_both.metrics.recompute_rates)
+    with pytest.raises(ValueError, match="recompute_tracks"):
+        make_engine(path, recompute_tracks="track2")
+    with pytest.raises(ValueError, match="device must be"):
+        make_engine(path, device="gpu")
+    assert_clean(both)
+    assert_clean(heads)

@@ -16,8 +16,10 @@ def test_traces_are_deterministic_for_a_seed(scenario):
     assert a.to_json() == b.to_json()
     assert a.to_json() != c.to_json()
     ref = a.turns[0].images()[0]
-    assert np.array_equal(materialize(ref), materialize(ImageRef(ref.kind, ref.seed, ref.size)))
-    assert materialize(ref).shape == (*SMALL, 3)
+    draw = materialize.__wrapped__  # bypass the cache: two independent drawings must agree
+    assert np.array_equal(draw(ref), draw(ImageRef(ref.kind, ref.seed, ref.size)))
+    assert draw(ref).shape == (*SMALL, 3)
+    assert not np.array_equal(draw(ref), draw(ImageRef(ref.kind, ref.seed + 1, ref.size)))
 
 
 def test_gui_slides_a_window_so_images_repeat_at_new_positions():
@@ -29,14 +31,25 @@ def test_gui_slides_a_window_so_images_repeat_at_new_positions():
     assert t.summary()["distinct_images"] == 6
 
 
+def test_gui_defaults_to_a_window_of_four():
+    t = make_trace("gui", turns=6, size=SMALL)
+    assert max(len(turn.images()) for turn in t.turns) == 4 and t.params["window"] == 4
+
+
 def test_docs_branch_and_chat_shapes():
-    d = make_trace("docs", turns=5, pages=4, per_turn=3, size=SMALL)
-    assert all(len(turn.images()) == 3 for turn in d.turns)
-    assert len({img for turn in d.turns for img in turn.images()}) <= 4
+    d = make_trace("docs", turns=6, pages=6, per_turn=3, size=SMALL)
+    shown = [tuple(turn.images()) for turn in d.turns]
+    assert all(len(s) == 3 for s in shown)
+    assert len({img for s in shown for img in s}) > 3  # pages are revisited, not always the same three
+    assert len(set(shown)) > 1 and len({turn.messages[1]["content"][-1]["text"] for turn in d.turns}) == 6
+    assert any(set(a) & set(b) and a != b for a in shown for b in shown)  # a page comes back in another slot
     b = make_trace("branch", branches=3, images=2, continue_turns=2, size=SMALL)
     assert [turn.label for turn in b.turns] == ["plan", "branch 0", "branch 1", "branch 2", "continue 0", "continue 1"]
     assert len({turn.messages[0]["content"] for turn in b.turns[:4]}) == 4  # a system prompt each
     assert all(turn.images() == b.turns[0].images() for turn in b.turns)
+    chosen = b.turns[4].messages[:2]  # the continuation extends one sub-agent's conversation
+    assert chosen in [turn.messages for turn in b.turns[1:4]]
+    assert b.turns[5].messages[: len(b.turns[4].messages)] == b.turns[4].messages
     c = make_trace("chat", turns=3, size=SMALL)
     assert [len(turn.messages) for turn in c.turns] == [2, 4, 6]  # history grows, one image throughout
     assert c.turns[1].messages[:2] == c.turns[0].messages
@@ -51,3 +64,7 @@ def test_unknown_scenario_or_parameter_is_a_clear_error():
         make_trace("chat", turns=0)
     with pytest.raises(ValueError, match="per_turn"):
         make_trace("docs", pages=2, per_turn=3)
+    with pytest.raises(ValueError, match="size must be"):
+        make_trace("gui", size=(0, 84))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        make_trace("chat", max_new_tokens=0)

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from samcache.engine.prompt import user_message
+from samcache.engine.synthetic import screenshot
 from samcache.workloads import Trace
 
 
@@ -49,7 +51,8 @@ MODES: dict[str, Mode] = {
     "samcache": Mode("image KV reused at any position, two-track recompute, layer-aware budget", {},
                      recomputes=True, layer_aware=True),
     "no-recompute": Mode("samcache without recompute", {"recompute_ratio": 0.0}),
-    "head-only": Mode("samcache, recompute track 1 only (span heads)", {"track2_share": 0.0},
+    "head-only": Mode("samcache, recompute track 1 only (span heads, at most 10% of each reused span)",
+                      {"recompute_tracks": "heads"},
                       recomputes=True, layer_aware=True),
     "uniform-budget": Mode("samcache, the same recompute rate at every layer", {"recompute_budget": "uniform"},
                            recomputes=True),
@@ -72,7 +75,7 @@ def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
         raise ValueError(f"recompute ratios must be numbers separated by commas, got {ratios!r}") from None
     if not values or any(not 0.0 <= r <= 1.0 for r in values):
         raise ValueError(f"recompute ratios must be in [0, 1], got {ratios!r}")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -82,9 +85,11 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def summarize(turns: list[dict]) -> dict[str, Any]:
     """Aggregates of one run's per-turn records."""
     ttft = [t["ttft_s"] for t in turns]
-    total = lambda k: int(sum(t[k] for t in turns))  # noqa: E731
+    total = lambda k: int(sum(t.get(k, 0) for t in turns))  # noqa: E731
     images = total("images")
     kv_lookups = total("image_kv_hits") + total("image_kv_misses")
+    layers = max((len(t["recompute_rates"]) for t in turns), default=1) or 1
+    vit_lookups = total("vit_hits") + total("vit_calls")
     fid = [t["fidelity"] for t in turns if t.get("fidelity")]
     decode = [t["decode_tokens_per_s"] for t in turns if t["decode_tokens_per_s"] > 0]
     return {
@@ -96,12 +101,15 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
         "prefix_reused_tokens": total("prefix_reused_tokens"),
         "image_reused_tokens": total("image_reused_tokens"),
         "recomputed_tokens": total("recomputed_tokens"),
-        "computed_tokens": total("prefilled_tokens") + total("recomputed_tokens"),
+        # Work in whole-token equivalents: a token recomputed at k of L layers counts k / L.
+        "computed_tokens": total("prefilled_tokens") + round(total("recomputed_token_layers") / layers),
         "vit_calls": total("vit_calls"),
-        "vit_skipped_rate": 1.0 - total("vit_calls") / images if images else 0.0,  # images never encoded
+        "vit_skipped_rate": 1.0 - total("vit_calls") / images if images else None,  # images never encoded
+        "vit_cache_hit_rate": total("vit_hits") / vit_lookups if vit_lookups else None,
         "prefix_hit_rate": total("prefix_reused_tokens") / max(1, total("prompt_tokens")),
-        "image_kv_hit_rate": total("image_kv_hits") / kv_lookups if kv_lookups else 0.0,
+        "image_kv_hit_rate": total("image_kv_hits") / kv_lookups if kv_lookups else None,
         "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20,
+        "peak_live_kv_mib": max(t["kv_bytes"] for t in turns) / 2**20,
         "decode_tokens_per_s": statistics.median(decode) if decode else 0.0,
         "fidelity": {
             "kl_median": statistics.median(f["kl"] for f in fid),
@@ -129,16 +137,27 @@ def run_benchmark(
     fidelity: bool = True,
     fidelity_tokens: int = 4,
     calibrate: bool = True,
+    kv_cache_bytes: int | None = None,
     engine_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
     command: str | None = None,
+    model_note: str | None = None,
 ) -> dict[str, Any]:
-    """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready)."""
+    """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready).
+
+    All engines share one copy of the weights; each has its own KV pool of ``kv_cache_bytes``
+    (default 256 MiB on the CPU, 2 GiB on CUDA) and an image-KV store of the same size.
+    ``model_note`` describes the checkpoint in the report (e.g. "random weights, built").
+    """
     from samcache.engine import SAMcacheEngine
 
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
-    base = {"device": device, "dtype": dtype, **(engine_kwargs or {})}
+    if kv_cache_bytes is None:
+        kv_cache_bytes = (2 << 30) if str(device).startswith("cuda") else (256 << 20)
+    base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}
+    shared = SAMcacheEngine(model_path, **{**base, "kv_cache_bytes": 1 << 20})  # holds the weights for all
+    base["share_weights_with"] = shared
     runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
     curves = None
     meta: dict[str, Any] = {}
@@ -163,11 +182,12 @@ def run_benchmark(
             if curves is None:
                 kw["recompute_budget"] = "uniform"
         engine = SAMcacheEngine(model_path, **kw)
-        meta.setdefault("family", engine.family.name)
-        meta.setdefault("parameters", sum(p.numel() for p in engine.runner.model.parameters()))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            engine.chat(prompt="warm-up", max_new_tokens=2)  # first-call costs out of the timed turns
+            # First-call costs (image path included) out of the timed turns; its own system prompt,
+            # so no trace prompt gets a prefix hit from it.
+            engine.chat(messages=[{"role": "system", "content": "samcache warm-up"},
+                                  user_message([screenshot(987_654_321, (56, 56))], "warm-up")], max_new_tokens=2)
         engines.append(engine)
     per_run: list[list[dict]] = [[] for _ in runs]
     try:
@@ -177,7 +197,7 @@ def run_benchmark(
             messages = turn.resolved()
             for i in [(t + k) % len(runs) for k in range(len(runs))]:
                 (mode, _), engine = runs[i], engines[i]
-                r = engine.chat(messages=messages, max_new_tokens=turn.max_new_tokens,
+                r = engine.chat(messages=messages, max_new_tokens=turn.max_new_tokens, ignore_eos=True,
                                 fidelity=fidelity and mode != "baseline", fidelity_tokens=fidelity_tokens)
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
@@ -195,7 +215,8 @@ def run_benchmark(
             "mode": mode,
             "recompute": ratio,
             "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
-            "recompute_rates": turns[-1]["recompute_rates"],
+            "layer_rates": engine._budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
+            "levels": {"prefix": engine.use_prefix, "vit": engine.use_vit_cache, "image_kv": engine.use_image_kv},
             "budget": "layer-aware" if MODES[mode].layer_aware and curves is not None else
                       ("uniform" if MODES[mode].recomputes else "-"),
             "turns": turns,
@@ -205,10 +226,15 @@ def run_benchmark(
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
         "model_path": str(model_path),
-        "device": torch.cuda.get_device_name() if device == "cuda" else
+        "model_note": model_note,
+        "family": shared.family.name,
+        "parameters": sum(p.numel() for p in shared.runner.model.parameters()),
+        "device": torch.cuda.get_device_name(shared.device) if shared.device.type == "cuda" else
                   f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "dtype": dtype or ("bfloat16" if device == "cuda" else "float32"),
+        "dtype": str(shared.dtype).replace("torch.", ""),
+        "kv_cache_mib_per_engine": kv_cache_bytes >> 20,
+        "max_new_tokens": max(t.max_new_tokens for t in trace.turns),
         "fidelity_tokens": fidelity_tokens if fidelity else 0,
         "sensitivity": {"rates": curves.rates.tolist(), "loss": curves.loss.tolist()} if curves is not None else None,
     })

@@ -39,7 +39,18 @@ def _bench(args) -> int:
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
-    model = args.model
+    out = pathlib.Path(args.out or f"bench/out/{args.scenario}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-check").write_text("")
+        (out / ".write-check").unlink()
+    except OSError as e:
+        print(f"samcache bench: cannot write to --out {str(out)!r}: {e}", file=sys.stderr)
+        return 2
+    if args.fidelity_tokens < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
+        print("samcache bench: --fidelity-tokens and --kv-cache-mib must be >= 1", file=sys.stderr)
+        return 2
+    model, note = args.model, "supplied checkpoint"
     if model is None:
         from samcache.models import build_tiny_model
 
@@ -52,17 +63,21 @@ def _bench(args) -> int:
         model = build_tiny_model(args.family, pathlib.Path(tempfile.mkdtemp(prefix="samcache-bench-")) / args.family,
                                  **sizes)
         print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}", file=sys.stderr)
+        note = f"random weights, built by samcache.models ({args.preset} sizes)"
     elif not pathlib.Path(model).is_dir():
         print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
         return 2
     command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
-    results = run_benchmark(
-        trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
-        fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
-        progress=not args.quiet, command=command,
-    )
-    out = pathlib.Path(args.out or f"bench/out/{args.scenario}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run_benchmark(
+            trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
+            fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
+            kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+            progress=not args.quiet, command=command, model_note=note,
+        )
+    except (ValueError, FileNotFoundError) as e:  # bad model, device, dtype, prompt too long, ...
+        print(f"samcache bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
     prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
@@ -70,7 +85,7 @@ def _bench(args) -> int:
     for r in results["runs"]:
         s = r["summary"]
         ratio = f"{prefix['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x" if prefix else "-"
-        kl = f"{s['fidelity']['kl_median']:.2e}" if s["fidelity"] else "exact"
+        kl = f"{s['fidelity']['kl_median']:.2e}" if s["fidelity"] else ("exact" if r["mode"] == "baseline" else "-")
         print(f"{r['name']:<22}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_p95_ms']:>8.1f} ms{ratio:>10}"
               f"{s['computed_tokens']:>10}{kl:>11}")
     print(f"wrote {out / 'results.json'} and {report}")
@@ -84,7 +99,7 @@ def _report(args) -> int:
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
         report = write_report(results, args.out or path.parent)
-    except (OSError, json.JSONDecodeError, ValueError) as e:
+    except (OSError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
         print(f"samcache report: cannot build a report from {path}: {e}", file=sys.stderr)
         return 2
     print(f"wrote {report}")
@@ -115,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fidelity-tokens", type=int, default=4)
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
     b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
+    b.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per engine (default 256 CPU, 2048 CUDA)")
     b.add_argument("--out", help="output folder (default bench/out/SCENARIO)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--command", help=argparse.SUPPRESS)

@@ -79,9 +79,13 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
     return made
 
 
-def _fmt_fid(f) -> tuple[str, str, str]:
+def _pct(value, enabled: bool) -> str:
+    return "-" if not enabled or value is None else f"{value:.0%}"
+
+
+def _fmt_fid(f, mode: str) -> tuple[str, str, str]:
     if not f:
-        return "exact", "-", "-"
+        return ("exact" if mode == "baseline" else "not measured"), "-", "-"
     return f"{f['kl_median']:.2e}", f"{f['top1_agree']:.0%}", f"{f['greedy_agree']:.0%}"
 
 
@@ -97,8 +101,10 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "",
         f"- **Scenario** `{trace['scenario']}` (seed {trace['seed']}), parameters `{json.dumps(trace['params'])}`: "
         f"{trace['turns']} turns, {trace['images_sent']} images sent, {trace['distinct_images']} distinct.",
-        f"- **Model** `{meta.get('family', '?')}` with {meta.get('parameters', 0):,} parameters (random weights), "
-        f"from `{meta['model_path']}`.",
+        f"- **Model** `{meta.get('family', '?')}` with {meta.get('parameters', 0):,} parameters"
+        + (f" ({meta['model_note']})" if meta.get("model_note") else "") + f", from `{meta['model_path']}`.",
+        f"- **Decode** {meta.get('max_new_tokens', '?')} tokens a turn in every mode (end-of-turn tokens ignored, so "
+        f"every mode does the same work); KV pool {meta.get('kv_cache_mib_per_engine', '?')} MiB per engine.",
         f"- **Machine** {meta['device']}, torch {meta['torch']}, {meta['dtype']}; {meta['date']}.",
         "- **Modes** (each its own engine with fresh caches, same checkpoint, same prompts):",
     ]
@@ -110,32 +116,42 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "",
         "## Results",
         "",
-        "| run | TTFT p50 | TTFT p95 | latency p50 | vs prefix | vs baseline | computed tokens | prefix reused "
-        "| image KV reused | recomputed | ViT calls | prefix hit / ViT skipped / image-KV hit | peak KV | decode tok/s "
-        "| KL median | top-1 | greedy |",
-        "| --- " * 17 + "|",
+        "| run | recompute | TTFT p50 | TTFT p95 | latency p50 | vs prefix | vs baseline | computed tokens "
+        "| prefix reused | image KV reused | recomputed (layer 0) | ViT calls | prefix hit / ViT skipped / image-KV hit "
+        "| peak KV held / live | decode tok/s | KL median | top-1 | greedy |",
+        "| --- " * 18 + "|",
     ]
     for r in runs:
         s = r["summary"]
         vs_prefix = f"{ref['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}×" if ref else "-"
         vs_base = f"{base['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}×" if base else "-"
-        kl, top1, greedy = _fmt_fid(s["fidelity"])
+        kl, top1, greedy = _fmt_fid(s["fidelity"], r["mode"])
+        levels = r.get("levels", {})
+        rates = " / ".join([
+            _pct(s["prefix_hit_rate"], levels.get("prefix", True)),
+            _pct(s["vit_skipped_rate"], levels.get("vit", True)),
+            _pct(s["image_kv_hit_rate"], levels.get("image_kv", True)),
+        ])
+        ratio = f"{r['recompute']:g}" if r["recompute"] is not None else ("0" if r["mode"] == "no-recompute" else "-")
         lines.append(
-            f"| `{r['name']}` | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p95_ms']:.1f} ms | {s['latency_p50_ms']:.1f} ms "
-            f"| {vs_prefix} | {vs_base} | {s['computed_tokens']:,} | {s['prefix_reused_tokens']:,} "
-            f"| {s['image_reused_tokens']:,} | {s['recomputed_tokens']:,} | {s['vit_calls']} "
-            f"| {s['prefix_hit_rate']:.0%} / {s['vit_skipped_rate']:.0%} / {s['image_kv_hit_rate']:.0%} "
-            f"| {s['peak_kv_mib']:.1f} MiB | {s['decode_tokens_per_s']:.1f} | {kl} | {top1} | {greedy} |"
+            f"| `{r['name']}` | {ratio} | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p95_ms']:.1f} ms "
+            f"| {s['latency_p50_ms']:.1f} ms | {vs_prefix} | {vs_base} | {s['computed_tokens']:,} "
+            f"| {s['prefix_reused_tokens']:,} | {s['image_reused_tokens']:,} | {s['recomputed_tokens']:,} "
+            f"| {s['vit_calls']} | {rates} | {s['peak_kv_mib']:.1f} / {s.get('peak_live_kv_mib', 0.0):.1f} MiB "
+            f"| {s['decode_tokens_per_s']:.1f} | {kl} | {top1} | {greedy} |"
         )
     recomputing = [r for r in runs if r["recompute"] is not None]
     if recomputing:
-        lines += ["", "Per-layer recompute rates (last turn): " + "; ".join(
-            f"`{r['name']}` {r['budget']} {[round(x, 3) for x in r['recompute_rates']]}" for r in recomputing)]
-    lines += ["", "Computed tokens = prefilled from scratch + recomputed; \"vs\" columns are TTFT p50 ratios "
-              "(higher is faster than that mode). Prefix hit = prompt tokens adopted from the prefix cache; ViT skipped = "
-              "images not run through the vision tower; image-KV hit = known-image lookups past the prefix that hit. "
-              "Peak KV counts the pool blocks in use or cached at the end of a "
-              "turn plus the image-KV store.", ""]
+        lines += ["", "Per-layer recompute rates of the budget: " + "; ".join(
+            f"`{r['name']}` {r['budget']} {[round(x, 3) for x in r.get('layer_rates', r.get('recompute_rates', []))]}"
+            for r in recomputing)]
+    lines += ["", "Computed tokens = prefilled from scratch + recomputed, a token recomputed at k of L layers "
+              "counting k/L; recomputed (layer 0) counts the recomputed tokens at the first layer, where the set is "
+              "largest. \"vs\" columns are TTFT p50 ratios (higher is faster than that mode). Prefix hit = prompt "
+              "tokens adopted from the prefix cache; ViT skipped = images not run through the vision tower; image-KV "
+              "hit = known-image lookups past the prefix that hit; '-' where the mode has that level off. Peak KV held "
+              "= pool blocks in use or cached at the end of a turn plus the image-KV store (the samcache modes keep "
+              "that store in addition to the pool); live = the KV of the turn's own sequence.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     lines += ["## Per turn", "", "| turn | " + " | ".join(f"`{n}` TTFT" for n in by_name) + " |",
@@ -151,6 +167,8 @@ def write_report(results: dict[str, Any], out_dir) -> pathlib.Path:
     """Write ``report.md`` and the plots into ``out_dir``; returns the report's path."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not isinstance(results, dict):
+        raise ValueError("not a samcache benchmark result: the JSON is not an object")
     for key in ("meta", "trace", "runs", "modes"):
         if key not in results:
             raise ValueError(f"not a samcache benchmark result: the key {key!r} is missing")

@@ -111,15 +111,28 @@ def _check(name: str, value: int, lo: int) -> int:
     return value
 
 
+def _common(size, max_new_tokens: int, seed: int) -> tuple[int, int]:
+    """Checks shared by every scenario; returns the size as a tuple."""
+    _check("max_new_tokens", max_new_tokens, 1)
+    _check("seed", seed, 0)
+    size = tuple(size)
+    if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 28 for v in size):
+        raise ValueError(f"size must be (height, width), each an int >= 28 pixels, got {size!r}")
+    if max(size) / min(size) > 100:
+        raise ValueError(f"size {size!r}: aspect ratio above 100 is not an image a VLM accepts")
+    return size
+
+
 def gui(*, seed: int = 0, turns: int = 20, window: int = 4, size: tuple[int, int] = (720, 1280),
         max_new_tokens: int = 8) -> Trace:
     _check("turns", turns, 1), _check("window", window, 1)
+    size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     goal = f"file the expense report for {_words(rng, 2)}"
     system = f"You are a GUI agent operating a desktop computer. Your goal: {goal}. Answer with one action."
     shots = [ImageRef("screenshot", seed * 100_003 + i, tuple(size)) for i in range(turns)]
     actions: list[str] = []
-    trace = Trace("gui", seed, {"turns": turns, "window": window, "size": list(size)})
+    trace = Trace("gui", seed, {"turns": turns, "window": window, "size": list(size), "max_new_tokens": max_new_tokens})
     for t in range(turns):
         visible = shots[max(0, t - window + 1): t + 1]
         history = "; ".join(actions[-3:]) or "none"
@@ -137,10 +150,12 @@ def docs(*, seed: int = 0, turns: int = 12, pages: int = 6, per_turn: int = 3, s
     _check("turns", turns, 1), _check("pages", pages, 1), _check("per_turn", per_turn, 1)
     if per_turn > pages:
         raise ValueError(f"per_turn ({per_turn}) cannot exceed pages ({pages})")
+    size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     refs = [ImageRef("page", seed * 100_003 + i, tuple(size)) for i in range(pages)]
     system = "You are a document analyst. Answer from the pages shown; cite the page."
-    trace = Trace("docs", seed, {"turns": turns, "pages": pages, "per_turn": per_turn, "size": list(size)})
+    trace = Trace("docs", seed, {"turns": turns, "pages": pages, "per_turn": per_turn, "size": list(size),
+                                 "max_new_tokens": max_new_tokens})
     for t in range(turns):
         chosen = rng.choice(pages, per_turn, replace=False)
         question = f"Question {t}: where do the pages mention '{_words(rng, 2)}', and what is the {_words(rng, 1)}?"
@@ -153,11 +168,12 @@ def docs(*, seed: int = 0, turns: int = 12, pages: int = 6, per_turn: int = 3, s
 def branch(*, seed: int = 0, branches: int = 3, images: int = 3, continue_turns: int = 3,
            size: tuple[int, int] = (720, 1280), max_new_tokens: int = 8) -> Trace:
     _check("branches", branches, 1), _check("images", images, 1), _check("continue_turns", continue_turns, 0)
+    size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     refs = [ImageRef("screenshot", seed * 100_003 + i, tuple(size)) for i in range(images)]
     task = f"reconcile the {_words(rng, 2)} across these screens"
     trace = Trace("branch", seed, {"branches": branches, "images": images, "continue_turns": continue_turns,
-                                   "size": list(size)})
+                                   "size": list(size), "max_new_tokens": max_new_tokens})
     trace.turns.append(Turn("plan", [{"role": "system", "content": "You are a planner. Split the task into sub-tasks."},
                                      user_message(refs, f"Task: {task}.")], max_new_tokens))
     subs = []
@@ -178,11 +194,12 @@ def branch(*, seed: int = 0, branches: int = 3, images: int = 3, continue_turns:
 
 def chat(*, seed: int = 0, turns: int = 8, size: tuple[int, int] = (720, 1280), max_new_tokens: int = 8) -> Trace:
     _check("turns", turns, 1)
+    size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     ref = ImageRef("screenshot", seed * 100_003, tuple(size))
     history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."},
                            user_message([ref], f"What is on this screen? Focus on the {_words(rng, 1)}.")]
-    trace = Trace("chat", seed, {"turns": turns, "size": list(size)})
+    trace = Trace("chat", seed, {"turns": turns, "size": list(size), "max_new_tokens": max_new_tokens})
     for t in range(turns):
         if t:
             history = history + [{"role": "assistant", "content": f"It shows {_words(rng, 8)}."},

@@ -107,7 +107,10 @@ def model_fingerprint(model_path: str | pathlib.Path) -> str:
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
     if device.type not in ("cpu", "cuda"):
@@ -159,6 +162,7 @@ class SAMcacheEngine:
         sensitivity: SensitivityCurves | str | os.PathLike | None = None,
         head_fraction: float = 0.1,
         track2_share: float = 0.5,
+        recompute_tracks: str = "both",
         prefix_cache: bool = True,
         vit_cache: bool = True,
         image_kv_cache: bool = True,
@@ -170,6 +174,7 @@ class SAMcacheEngine:
         model_id: str | None = None,
         tenant: str | None = None,
         seed: int = 0,
+        share_weights_with: "SAMcacheEngine | None" = None,
     ) -> None:
         if compression_enabled:
             raise ValueError(
@@ -178,6 +183,8 @@ class SAMcacheEngine:
             )
         if not (isinstance(recompute_ratio, (int, float)) and 0.0 <= recompute_ratio <= 1.0):
             raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
+        if recompute_tracks not in ("both", "heads"):
+            raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
         self.model_path = pathlib.Path(model_path)
@@ -189,6 +196,7 @@ class SAMcacheEngine:
         self.runner = ModelRunner(
             self.model_path, self.family, device=self.device, dtype=self.dtype, block_size=block_size,
             num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+            model=share_weights_with.runner.model if share_weights_with is not None else None,
         )
         self.pool = BlockPool(self.runner.num_blocks, block_size)
         from samcache.models import load_processor
@@ -211,6 +219,7 @@ class SAMcacheEngine:
         self.recompute_budget = recompute_budget
         self.head_fraction = head_fraction
         self.track2_share = track2_share
+        self.recompute_tracks = recompute_tracks
         self.sensitivity = self._load_sensitivity(sensitivity)
         self._warned_uniform = False
         self._solved: dict = {}
@@ -239,6 +248,7 @@ class SAMcacheEngine:
         fidelity: bool = False,
         fidelity_tokens: int = 8,
         seed: int | None = None,
+        ignore_eos: bool = False,
     ) -> ChatResult:
         """One turn. Either ``images`` + ``prompt`` (a user message; appended to ``session`` if
         given) or the whole ``messages`` list (``{"role", "content"}`` dicts; content is a string
@@ -247,11 +257,14 @@ class SAMcacheEngine:
 
         ``fidelity=True`` also runs a full prefill of the same prompt and reports the next-token
         KL, top-1 agreement and the agreement of ``fidelity_tokens`` greedy tokens
-        (``metrics.fidelity``); it is not counted in TTFT.
+        (``metrics.fidelity``); it is not counted in TTFT. ``ignore_eos=True`` always decodes
+        ``max_new_tokens`` (benchmarks: the same work in every mode).
         """
         start = time.perf_counter()
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if fidelity and (not isinstance(fidelity_tokens, int) or fidelity_tokens < 1):
+            raise ValueError(f"fidelity_tokens must be an int >= 1, got {fidelity_tokens!r}")
         sampler = Sampler(temperature, top_p, seed=self.seed + self._turns if seed is None else seed, device="cpu")
         if messages is not None:
             if images is not None or prompt is not None or session is not None:
@@ -279,7 +292,7 @@ class SAMcacheEngine:
             fork = self.pool.fork(pre.seq) if fidelity else None  # the prefill's KV, kept for the comparison
             self._register(pre, namespace)
             tokens, reason, decode_s = self._decode(pre.seq, first, prompt_.next_position, max_new_tokens, sampler,
-                                                    register=self.use_prefix)
+                                                    register=self.use_prefix, ignore_eos=ignore_eos)
             m = pre.metrics
             m.decode_tokens = len(tokens)
             m.decode_tokens_per_s = (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0
@@ -408,8 +421,11 @@ class SAMcacheEngine:
                 budget = self._budget(ratio)
                 quota = [min(q, m.image_reused_tokens) for q in budget.tokens_per_layer(m.image_reused_tokens)]
             layer_sets: list[np.ndarray] = []
+            if quota and self.recompute_tracks == "heads":  # track 1 alone: never past the span heads
+                heads = sum(math.ceil(self.head_fraction * s.length) for s in spans)
+                quota = [min(q, heads) for q in quota]
             if quota and quota[0] > 0:
-                scores = self._relevance(prompt, new_index, spans, table, vit)
+                scores = self._relevance(prompt, new_index, spans, table, vit) if self.recompute_tracks == "both" else None
                 plan = plan_recompute(spans, quota, scores, head_fraction=self.head_fraction,
                                       track2_share=self.track2_share)
                 layer_sets = [plan.positions(layer) for layer in range(self.runner.num_layers)]
@@ -417,6 +433,7 @@ class SAMcacheEngine:
             m.recompute_rates = [q / m.image_reused_tokens for q in quota] if quota else [0.0] * self.runner.num_layers
             index = np.union1d(new_index, layer_sets[0]) if layer_sets else new_index
             m.recomputed_tokens = int(index.size - new_index.size)
+            m.recomputed_token_layers = int(sum(quota))
 
             # 4. One forward step over the computed rows.
             batch = self._batch(prompt, index, table, vit)
@@ -583,12 +600,13 @@ class SAMcacheEngine:
             )
             self.image_kv_store.put(key, kv, check=self._kv_check(span))
 
-    def _decode(self, seq: int, first: int, position: int, max_new_tokens: int, sampler, *, register: bool):
+    def _decode(self, seq: int, first: int, position: int, max_new_tokens: int, sampler, *, register: bool,
+                ignore_eos: bool = False):
         """Tokens from ``first`` on, each fed back through the runner, until an end token or the limit."""
         r = self.runner
         tokens, token = [first], first
         start = time.perf_counter()
-        while token not in self.eos_token_ids and len(tokens) < max_new_tokens:
+        while (ignore_eos or token not in self.eos_token_ids) and len(tokens) < max_new_tokens:
             res = self.pool.append_tokens(seq, [token]) if register else self.pool.append_slots(seq, 1)
             if res.copies.size:
                 ops.copy_blocks([r.k_cache.view(-1, *r.k_cache.shape[2:]), r.v_cache.view(-1, *r.v_cache.shape[2:])],

@@ -28,6 +28,7 @@ class TurnMetrics:
     image_reused_tokens: int = 0  # KV of known images spliced in at new positions
     prefilled_tokens: int = 0  # computed from scratch (new text, new images)
     recomputed_tokens: int = 0  # reused tokens recomputed at the first layer
+    recomputed_token_layers: int = 0  # recomputed (token, layer) pairs over all layers
     recompute_rates: list[float] = field(default_factory=list)  # per layer, fraction of image-reused tokens
     images: int = 0
     vit_calls: int = 0  # images run through the vision tower

@@ -49,14 +49,17 @@ class ModelRunner:
 
     def __init__(self, model_path: str | pathlib.Path, family: Family, *, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int | None = None,
-                 kv_cache_bytes: int = 256 << 20) -> None:
+                 kv_cache_bytes: int = 256 << 20, model=None) -> None:
         import transformers
 
         self.family = family
         self.device = device
         self.dtype = dtype
-        model = getattr(transformers, family.model_class).from_pretrained(str(model_path), dtype=dtype)
-        model.to(device).eval().requires_grad_(False)
+        if model is None:
+            model = getattr(transformers, family.model_class).from_pretrained(str(model_path), dtype=dtype)
+            model.to(device).eval().requires_grad_(False)
+        elif type(model).__name__ != family.model_class or next(model.parameters()).dtype != dtype:
+            raise ValueError(f"a shared model must be a {family.model_class} in {dtype}")
         self.model = model
         self.config = model.config
         self.text = model.model.language_model
