@@ -21,7 +21,14 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
     import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker)
 
     runs = results["runs"]
-    made = []
+    made: list[str] = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for run in runs:
         ax.plot(range(len(run["turns"])), [1e3 * t["ttft_s"] for t in run["turns"]], marker="o", ms=3, label=run["name"])
@@ -30,10 +37,7 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=110)
-    plt.close(fig)
-    made.append(PLOTS[0])
+    save(fig, PLOTS[0])
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
     names = [r["name"] for r in runs]
@@ -51,10 +55,7 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
     ax.set(ylabel="prompt tokens, all turns", title="Where each prompt token's KV came from")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=110)
-    plt.close(fig)
-    made.append(PLOTS[1])
+    save(fig, PLOTS[1])
 
     swept = {}
     for r in runs:
@@ -72,10 +73,7 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
         for a in (a1, a2):
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / PLOTS[2], dpi=110)
-        plt.close(fig)
-        made.append(PLOTS[2])
+        save(fig, PLOTS[2])
     return made
 
 
