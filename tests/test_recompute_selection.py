@@ -105,3 +105,27 @@ def test_bad_input():
         key_deviation(torch.zeros(2, 2, 4), torch.zeros(2, 2, 5))
     with pytest.raises(ValueError):
         attention_relevance(torch.zeros(2, 3, 4), torch.zeros(5, 2, 4))
+
+
+@given(st.integers(0, 40), st.integers(0, 40), st.sampled_from([0.1, 0.25, 0.5, 0.75, 0.9]))
+def test_track2_share_interleaves_while_both_tracks_last(n1, n2, share):
+    from samcache.recompute.selection import _interleave
+
+    track1, track2 = np.arange(n1), np.arange(1000, 1000 + n2)
+    out = _interleave(track1, track2, share)
+    assert sorted(out.tolist()) == sorted(track1.tolist() + track2.tolist())
+    is2 = out >= 1000
+    assert out[~is2].tolist() == track1.tolist() and out[is2].tolist() == track2.tolist()  # each keeps its order
+    for k in range(1, out.size + 1):
+        taken2, taken1 = int(is2[:k].sum()), k - int(is2[:k].sum())
+        if taken2 < n2 and taken1 < n1:  # both tracks still have tokens: track 2 holds floor(k * share)
+            assert taken2 == int(k * share)
+
+
+def test_plan_recompute_shares_the_order_between_tracks():
+    spans = [ReusedSpan(0, 40), ReusedSpan(50, 40)]
+    scores = np.zeros(90)
+    scores[[30, 31, 80]] = [5.0, 4.0, 3.0]
+    plan = plan_recompute(spans, [10], scores, head_fraction=0.1, track2_share=0.5)
+    assert plan.order[:2].tolist() == [0, 50]  # the first token of every span comes first
+    assert plan.order[2:8].tolist() == [1, 30, 51, 31, 2, 80]  # then heads and relevance, half and half

@@ -373,23 +373,23 @@ class SAMcacheEngine:
             # 1. Exact prefix: never the last token, whose logits this step must produce.
             if use_prefix and n > 1:
                 adopted = self.pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
-            if -(-n // bs) - adopted // bs > self.pool.num_free_blocks():
+            more = -(-n // bs) - adopted // bs
+            if more > self.pool.num_free_blocks():
                 raise PromptTooLong(
-                    f"the prompt needs {-(-n // bs) - adopted // bs} more KV blocks but only "
-                    f"{self.pool.num_free_blocks()} are free or evictable"
+                    f"the prompt needs {more} more KV blocks but only {self.pool.num_free_blocks()} are free or evictable"
                 )
             rest = prompt.token_ids[adopted:]
             res = (self.pool.append_tokens(seq, rest, prompt.extra_keys()) if register
                    else self.pool.append_slots(seq, rest.size))
-            if res.copies.size:
-                ops.copy_blocks([self.runner.k_cache.view(-1, *self.runner.k_cache.shape[2:]),
-                                 self.runner.v_cache.view(-1, *self.runner.v_cache.shape[2:])],
-                                _layer_pairs(res.copies, self.runner.num_layers, self.pool.num_blocks))
+            self.runner.copy_on_write(res.copies)
             table = self.pool.block_table(seq)
             m.prefix_reused_tokens = adopted
 
             # 2. Known images after the prefix: splice their KV in at the new positions.
-            reused: list[tuple[int, int, Any]] = []  # (span index, first reused token, ImageKV)
+            is_new = np.zeros(n, dtype=bool)
+            is_new[adopted:] = True
+            reused: list[int] = []  # indices of the images whose KV is spliced in
+            spans: list[ReusedSpan] = []
             for i, span in enumerate(prompt.images):
                 lo = max(span.start, adopted)
                 if lo >= span.end or not use_image_kv:
@@ -399,14 +399,12 @@ class SAMcacheEngine:
                     m.image_kv_misses += 1
                     continue
                 m.image_kv_hits += 1
-                self._splice(kv, span, lo, prompt, table)
-                reused.append((i, lo, kv))
-            is_new = np.zeros(n, dtype=bool)
-            is_new[adopted:] = True
-            spans = []
-            for i, lo, _ in reused:
-                is_new[lo: prompt.images[i].end] = False
-                spans.append(ReusedSpan(lo, prompt.images[i].end - lo))
+                off = lo - span.start  # the prefix may already hold the image's first tokens
+                self.runner.splice(kv.k[:, off:], kv.v[:, off:], prompt.positions[:, lo: span.end] - kv.positions[:, off:],
+                                   table, np.arange(lo, span.end))
+                is_new[lo: span.end] = False
+                reused.append(i)
+                spans.append(ReusedSpan(lo, span.end - lo))
             m.image_reused_tokens = sum(s.length for s in spans)
             new_index = np.flatnonzero(is_new)
             m.prefilled_tokens = int(new_index.size)
@@ -429,7 +427,7 @@ class SAMcacheEngine:
                 plan = plan_recompute(spans, quota, scores, head_fraction=self.head_fraction,
                                       track2_share=self.track2_share)
                 layer_sets = [plan.positions(layer) for layer in range(self.runner.num_layers)]
-                self._ensure_vit(prompt, [i for i, _, _ in reused], vit, m)
+                self._ensure_vit(prompt, reused, vit, m)
             m.recompute_rates = [q / m.image_reused_tokens for q in quota] if quota else [0.0] * self.runner.num_layers
             index = np.union1d(new_index, layer_sets[0]) if layer_sets else new_index
             m.recomputed_tokens = int(index.size - new_index.size)
@@ -452,23 +450,6 @@ class SAMcacheEngine:
     def _kv_check(self, span) -> tuple:
         return (span.image.grid, span.length, self.runner.num_layers)
 
-    def _splice(self, kv: ImageKV, span, lo: int, prompt: Prompt, table: np.ndarray) -> None:
-        """Write an image's cached KV for tokens [lo, span.end) into the sequence, every layer at
-        once, its keys re-rotated from their cached positions to the new ones."""
-        r = self.runner
-        off = lo - span.start
-        count = span.end - lo
-        delta = (prompt.positions[:, lo: span.end] - kv.positions[:, off:]).repeat(1, r.num_layers)
-        slots = torch.from_numpy(r.slots_for(table, np.arange(lo, span.end)))
-        per_layer = r.num_blocks * r.block_size
-        slots = (slots[None, :] + torch.arange(r.num_layers)[:, None] * per_layer).reshape(-1).to(r.device)
-        k = kv.k[:, off:].reshape(r.num_layers * count, r.num_kv_heads, r.head_dim)
-        v = kv.v[:, off:].reshape(r.num_layers * count, r.num_kv_heads, r.head_dim)
-        flat_k = r.k_cache.view(r.num_layers * r.num_blocks, r.block_size, r.num_kv_heads, r.head_dim)
-        ops.rope_rerotate_write(k, delta.to(r.device), r.inv_freq, self.family.rope_style, r.mrope_section,
-                                flat_k, slots)
-        r.v_cache.view(-1, r.num_kv_heads, r.head_dim).index_copy_(0, slots, v)
-
     def _ensure_vit(self, prompt: Prompt, image_indices: list[int], vit: dict, m: TurnMetrics) -> None:
         """ViT outputs of these images (from the cache, else one batched vision-tower call)."""
         missing = []
@@ -476,8 +457,7 @@ class SAMcacheEngine:
             if i in vit:
                 continue
             span = prompt.images[i]
-            key = Namespace(self.model_id).key(span.image.content)  # ViT outputs do not depend on the tenant
-            hit = self.vit_store.get(key, check=span.image.grid) if self.use_vit_cache else None
+            hit = self.vit_store.get(self._vit_key(span), check=span.image.grid) if self.use_vit_cache else None
             if hit is not None:
                 vit[i] = hit
                 m.vit_hits += 1
@@ -495,7 +475,10 @@ class SAMcacheEngine:
             vit[i] = out
             m.vit_calls += 1
             if self.use_vit_cache:
-                self.vit_store.put(Namespace(self.model_id).key(span.image.content), out, check=span.image.grid)
+                self.vit_store.put(self._vit_key(span), out, check=span.image.grid)
+
+    def _vit_key(self, span):
+        return Namespace(self.model_id).key(span.image.content)  # ViT outputs do not depend on the tenant
 
     def _embeds(self, prompt: Prompt, index: np.ndarray, vit: dict) -> torch.Tensor:
         r = self.runner
@@ -546,7 +529,7 @@ class SAMcacheEngine:
             return scores
         reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans])
         q = r.layer0_queries(self._embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
-        keys = r.k_cache[0].view(-1, r.num_kv_heads, r.head_dim)[torch.from_numpy(r.slots_for(table, reused)).to(r.device)]
+        keys = r.layer_keys(0, table, reused)
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
         return scores
 
@@ -592,12 +575,8 @@ class SAMcacheEngine:
             key = namespace.key(span.image.content)
             if key in self.image_kv_store:
                 continue
-            slots = torch.from_numpy(r.slots_for(table, np.arange(span.start, span.end))).to(r.device)
-            kv = ImageKV(
-                k=r.k_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, slots],
-                v=r.v_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, slots],
-                positions=pre.prompt.positions[:, span.start: span.end].clone(),
-            )
+            k, v = r.gather_kv(table, np.arange(span.start, span.end))
+            kv = ImageKV(k=k, v=v, positions=pre.prompt.positions[:, span.start: span.end].clone())
             self.image_kv_store.put(key, kv, check=self._kv_check(span))
 
     def _decode(self, seq: int, first: int, position: int, max_new_tokens: int, sampler, *, register: bool,
@@ -608,9 +587,7 @@ class SAMcacheEngine:
         start = time.perf_counter()
         while (ignore_eos or token not in self.eos_token_ids) and len(tokens) < max_new_tokens:
             res = self.pool.append_tokens(seq, [token]) if register else self.pool.append_slots(seq, 1)
-            if res.copies.size:
-                ops.copy_blocks([r.k_cache.view(-1, *r.k_cache.shape[2:]), r.v_cache.view(-1, *r.v_cache.shape[2:])],
-                                _layer_pairs(res.copies, r.num_layers, self.pool.num_blocks))
+            r.copy_on_write(res.copies)
             n = self.pool.num_tokens(seq)
             batch = ForwardBatch(
                 index=torch.tensor([n - 1]),
@@ -651,9 +628,8 @@ class SAMcacheEngine:
     def _full_prefill(self, prompt: Prompt) -> _Prefilled:
         """The reference: every token computed, nothing reused (ViT outputs may come from the
         cache: they do not depend on the context). Not registered in any cache."""
-        ns = Namespace(self.model_id, "samcache/reference")
-        pre = self.prefill(prompt, ns, use_prefix=False, use_image_kv=False, register=False, recompute_ratio=0.0)
-        return pre
+        return self.prefill(prompt, Namespace(self.model_id, "samcache/reference"), use_prefix=False,
+                            use_image_kv=False, register=False, recompute_ratio=0.0)
 
     # ---- the layer-aware budget ---------------------------------------------------------------
     def _load_sensitivity(self, sensitivity) -> SensitivityCurves | None:
@@ -708,17 +684,15 @@ class SAMcacheEngine:
             order = plan_recompute(spans, [reused.size], scores, head_fraction=self.head_fraction,
                                    track2_share=self.track2_share).order
             with self._sequence(self._full_prefill(target)) as ref:
-                ref_slots = torch.from_numpy(r.slots_for(self.pool.block_table(ref.seq), order)).to(r.device)
-                exact_k = r.k_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
-                exact_v = r.v_cache.view(r.num_layers, -1, r.num_kv_heads, r.head_dim)[:, ref_slots]
+                exact_k, exact_v = r.gather_kv(self.pool.block_table(ref.seq), order)
 
             def measure(layer: int, rate: float) -> float:
                 k = math.ceil(rate * order.size - 1e-9)
 
                 def override(table: np.ndarray) -> None:
                     if k:
-                        slots = torch.from_numpy(r.slots_for(table, order[:k])).to(r.device)
-                        ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer], slots)
+                        ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer],
+                                        r.slot_tensor(table, order[:k]))
 
                 with self._sequence(self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0,
                                                  kv_override=override)) as run:
@@ -745,13 +719,6 @@ class SAMcacheEngine:
     def __repr__(self) -> str:
         return (f"SAMcacheEngine({self.family.name}, {self.device}, {self.dtype}, pool={self.pool.num_blocks}x"
                 f"{self.pool.block_size}, recompute={self.recompute_ratio} {self.recompute_budget})")
-
-
-def _layer_pairs(copies: np.ndarray, layers: int, num_blocks: int) -> torch.Tensor:
-    """Copy-on-write pairs of the pool, repeated for every layer of the all-layer cache view."""
-    pairs = torch.from_numpy(copies.astype(np.int64))
-    offsets = (torch.arange(layers) * num_blocks)[:, None, None]
-    return (pairs[None] + offsets).reshape(-1, 2)
 
 
 __all__ = ["ChatResult", "ImageKV", "SAMcacheEngine", "Session", "model_fingerprint"]

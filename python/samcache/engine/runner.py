@@ -178,10 +178,49 @@ class ModelRunner:
         last = self.text.norm(h[-1:])
         return self.lm_head(last)[0].float()
 
+    # ---- the paged caches of all layers ---------------------------------------------------------
     def slots_for(self, block_table: np.ndarray, index: np.ndarray) -> np.ndarray:
         """KV slot ids of sequence positions ``index`` for a sequence with ``block_table``."""
         index = np.asarray(index, dtype=np.int64)
         return block_table.astype(np.int64)[index // self.block_size] * self.block_size + index % self.block_size
+
+    def slot_tensor(self, block_table: np.ndarray, index: np.ndarray) -> torch.Tensor:
+        """``slots_for`` as an int64 tensor on the caches' device."""
+        return torch.from_numpy(self.slots_for(block_table, index)).to(self.device)
+
+    def copy_on_write(self, copies: np.ndarray) -> None:
+        """Perform the pool's (src, dst) block copies in every layer's K and V cache."""
+        if not copies.size:
+            return
+        pairs = torch.from_numpy(copies.astype(np.int64))
+        offsets = (torch.arange(self.num_layers) * self.num_blocks)[:, None, None]  # layer l's blocks in the flat view
+        flat = [c.view(-1, *c.shape[2:]) for c in (self.k_cache, self.v_cache)]
+        ops.copy_blocks(flat, (pairs[None] + offsets).reshape(-1, 2))
+
+    def gather_kv(self, block_table: np.ndarray, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, len(index), kv_heads, head_dim] of sequence positions ``index``."""
+        slots = self.slot_tensor(block_table, index)
+        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        return self.k_cache.view(shape)[:, slots], self.v_cache.view(shape)[:, slots]
+
+    def layer_keys(self, layer: int, block_table: np.ndarray, index: np.ndarray) -> torch.Tensor:
+        """K [len(index), kv_heads, head_dim] of one layer at sequence positions ``index``."""
+        return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[self.slot_tensor(block_table, index)]
+
+    def splice(self, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, block_table: np.ndarray,
+               index: np.ndarray) -> None:
+        """Write cached K/V [layers, n, kv_heads, head_dim] into sequence positions ``index`` of
+        every layer in one fused call, the keys re-rotated by M-RoPE ``delta`` [3, n]."""
+        n = len(index)
+        per_layer = self.num_blocks * self.block_size
+        slots = (self.slot_tensor(block_table, index)[None, :]
+                 + torch.arange(self.num_layers, device=self.device)[:, None] * per_layer).reshape(-1)
+        flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        ops.rope_rerotate_write(k.reshape(self.num_layers * n, self.num_kv_heads, self.head_dim),
+                                delta.repeat(1, self.num_layers).to(self.device), self.inv_freq,
+                                self.family.rope_style, self.mrope_section, flat_k, slots)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, slots, v.reshape(self.num_layers * n, self.num_kv_heads, self.head_dim))
 
 
 __all__ = ["ForwardBatch", "ModelRunner"]

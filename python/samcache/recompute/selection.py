@@ -114,16 +114,18 @@ def _interleave(track1: np.ndarray, track2: np.ndarray, share: float) -> np.ndar
         return np.concatenate([track1, track2])
     if share >= 1.0 or not track1.size:
         return np.concatenate([track2, track1])
-    out, i, j = [], 0, 0
-    for step in range(track1.size + track2.size):
-        want2 = int((step + 1) * share) > int(step * share)
-        if j < track2.size and (want2 or i >= track1.size):
-            out.append(track2[j])
-            j += 1
-        else:
-            out.append(track1[i])
-            i += 1
-    return np.asarray(out, dtype=np.int64)
+    n = track1.size + track2.size
+    step = np.arange(n, dtype=np.float64)
+    take2 = np.floor((step + 1) * share) > np.floor(step * share)  # track 2's turns while both last
+    done = np.flatnonzero((np.cumsum(take2) >= track2.size) | (np.cumsum(~take2) >= track1.size))
+    stop = int(done[0]) + 1 if done.size else n  # after this step one track is empty
+    from_track2 = np.empty(n, dtype=bool)
+    from_track2[:stop] = take2[:stop]
+    from_track2[stop:] = take2[:stop].sum() < track2.size  # the rest all come from the track left
+    out = np.empty(n, dtype=np.int64)
+    out[from_track2] = track2
+    out[~from_track2] = track1
+    return out
 
 
 def key_deviation(cached_keys: torch.Tensor, fresh_keys: torch.Tensor) -> torch.Tensor:
