@@ -126,21 +126,26 @@ def _canonical(preprocess: Mapping[str, Any] | None) -> bytes:
         raise TypeError(f"preprocess parameters must be JSON values (numbers, strings, lists): {e}") from None
 
 
+def decode_image_file(path: str | os.PathLike):
+    """A PIL image decoded from ``path`` as model pipelines decode it (transformers' load_image):
+    EXIF orientation applied, so a rotated photo never shares a hash with its unrotated pixels.
+    Unreadable files raise ``ValueError`` naming the path."""
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return ImageOps.exif_transpose(img)
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot read image {os.fspath(path)!r}: {e}") from e
+
+
 def _pixels(image: Any) -> tuple[np.ndarray, str]:
     """Decoded pixels as a C-contiguous array, plus a colour-space tag ('' when implied)."""
     import torch
 
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image, ImageOps
-
-        try:
-            with Image.open(image) as img:
-                img.load()
-                # Decode as model pipelines do (transformers' load_image): EXIF orientation applied,
-                # so a rotated photo never shares a hash with its unrotated pixels.
-                return _pixels(ImageOps.exif_transpose(img))
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ValueError(f"cannot read image {os.fspath(image)!r}: {e}") from e
+        return _pixels(decode_image_file(image))
     if isinstance(image, torch.Tensor):
         t = image.detach().cpu().contiguous()
         tag = f"torch:{t.dtype}:{tuple(t.shape)}"

@@ -17,20 +17,19 @@ import numpy as np
 import torch
 
 from samcache.errors import ImageLoadError
-from samcache.hashing import ContentHash, hash_image
+from samcache.hashing import ContentHash, decode_image_file, hash_image
 
 
 def load_rgb(image: Any) -> np.ndarray:
     """``image`` (a path, PIL image, HxWx3/HxWx4/HxW uint8 array or tensor) as HxWx3 uint8 RGB."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     if isinstance(image, (str, os.PathLike)):
         try:
-            with Image.open(image) as img:
-                img.load()
-                return load_rgb(ImageOps.exif_transpose(img))  # as transformers' load_image decodes it
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ImageLoadError(f"cannot read image {os.fspath(image)!r}: {e}") from e
+            decoded = decode_image_file(image)
+        except ValueError as e:
+            raise ImageLoadError(str(e)) from e
+        return load_rgb(decoded)
     if isinstance(image, Image.Image):
         try:
             return np.ascontiguousarray(np.asarray(image.convert("RGB")))
