@@ -386,3 +386,21 @@ def test_heads_only_recompute_shared_weights_and_fixed_length_decode(checkpoints
         make_engine(path, device="gpu")
     assert_clean(both)
     assert_clean(heads)
+
+
+def test_constructor_and_chat_arguments_are_checked(checkpoints, engines, tmp_path):
+    path = checkpoints["qwen2_5_vl"]
+    for kw, match in ((dict(head_fraction=2.0), "head_fraction"), (dict(track2_share=-0.1), "track2_share"),
+                      (dict(block_size=0), "block_size"), (dict(num_blocks=-3), "num_blocks"),
+                      (dict(vit_cache_bytes=0), "vit_cache_bytes")):
+        with pytest.raises(ValueError, match=match):
+            make_engine(path, **kw)
+    (tmp_path / "bad.json").write_text('{"rates": [0, 1]}')
+    with pytest.raises(ValueError, match="sensitivity-curves JSON"):
+        make_engine(path, sensitivity=tmp_path / "bad.json")
+    engine = engines["qwen2_5_vl"]
+    with pytest.raises(TypeError, match="images must be a list"):
+        engine.chat(images="shot.png", prompt="x")
+    with pytest.raises(TypeError, match="system must be a str"):
+        engine.new_session(system=["not", "text"])
+    assert_clean(engine)

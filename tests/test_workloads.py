@@ -68,3 +68,13 @@ def test_unknown_scenario_or_parameter_is_a_clear_error():
         make_trace("gui", size=(0, 84))
     with pytest.raises(ValueError, match="max_new_tokens"):
         make_trace("chat", max_new_tokens=0)
+
+
+def test_synthetic_images_check_their_size():
+    from samcache.engine.synthetic import document_page, screenshot
+
+    for draw in (screenshot, document_page):
+        with pytest.raises(ValueError, match="size must be"):
+            draw(0, (0, 100))
+        with pytest.raises(ValueError, match="size must be"):
+            draw(0, 720)

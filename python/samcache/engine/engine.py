@@ -183,6 +183,16 @@ class SAMcacheEngine:
             )
         if not (isinstance(recompute_ratio, (int, float)) and 0.0 <= recompute_ratio <= 1.0):
             raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
+        for name, value in (("head_fraction", head_fraction), ("track2_share", track2_share)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
+                                      ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
+                                      ("image_kv_cache_bytes", image_kv_cache_bytes, True)):
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
@@ -231,6 +241,8 @@ class SAMcacheEngine:
     # ---- public API ---------------------------------------------------------------------------
     def new_session(self, system: str | None = None, *, tenant: str | None = None) -> Session:
         """A conversation, optionally with a system prompt, scoped to ``tenant`` (default: the engine's)."""
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str, got {type(system).__name__}")
         messages = [{"role": "system", "content": system}] if system is not None else []
         return Session(messages=messages, tenant=tenant if tenant is not None else self.tenant)
 
@@ -275,6 +287,8 @@ class SAMcacheEngine:
                 raise ValueError("chat needs a prompt (or messages=...)")
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
+                raise TypeError(f"images must be a list of images (paths, PIL images, arrays), got {type(images).__name__}")
             turn = user_message(list(images or []), prompt)
             history = (list(session.messages) if session is not None else []) + [turn]
         if tenant is None:
@@ -638,8 +652,13 @@ class SAMcacheEngine:
                 raise ValueError(f"sensitivity curves have {sensitivity.num_layers} layers, the model has "
                                  f"{self.runner.num_layers}")
             return sensitivity
-        data = json.loads(pathlib.Path(sensitivity).read_text(encoding="utf-8"))
-        return self._load_sensitivity(SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"])))
+        path = pathlib.Path(sensitivity)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]))
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
+        return self._load_sensitivity(curves)
 
     def calibrate(
         self,

@@ -98,7 +98,7 @@ class ModelRunner:
     # ---- sizes ---------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     # ---- inputs --------------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def _size(size) -> tuple[int, int]:
+    h, w = size if isinstance(size, (tuple, list)) and len(size) == 2 else (None, None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 16 for v in (h, w)):
+        raise ValueError(f"size must be (height, width) with ints >= 16, got {size!r}")
+    return h, w
+
+
 def screenshot(seed: int, size: tuple[int, int] = (720, 1280)) -> np.ndarray:
     """An HxWx3 uint8 'screenshot' (``size`` = (height, width)) drawn from ``seed``: a desktop
     colour, a few windows with title bars, text lines and buttons. Different seeds differ."""
     from PIL import Image, ImageDraw
 
     rng = np.random.default_rng(seed)
-    h, w = size
+    h, w = _size(size)
     img = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(40, 200, 3)))
     draw = ImageDraw.Draw(img)
     draw.rectangle([0, h - max(8, h // 24), w, h], fill=(30, 30, 36))  # task bar
@@ -37,7 +44,7 @@ def document_page(seed: int, size: tuple[int, int] = (1100, 850)) -> np.ndarray:
     from PIL import Image, ImageDraw
 
     rng = np.random.default_rng(seed)
-    h, w = size
+    h, w = _size(size)
     img = Image.new("RGB", (w, h), (250, 250, 246))
     draw = ImageDraw.Draw(img)
     margin = max(8, w // 12)
