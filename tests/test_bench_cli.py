@@ -31,7 +31,7 @@ def results(model):
 def test_every_mode_runs_a_three_turn_trace(results):
     names = [r["name"] for r in results["runs"]]
     assert names == ["baseline", "prefix", "samcache@0.05", "samcache@0.5", "no-recompute", "head-only@0.05",
-                     "head-only@0.5", "uniform-budget@0.05", "uniform-budget@0.5"]
+                     "head-only@0.5", "uniform-budget@0.05", "uniform-budget@0.5", "new-only"]
     by = {r["name"]: r for r in results["runs"]}
     for r in results["runs"]:
         assert len(r["turns"]) == 3 and r["summary"]["ttft_p50_ms"] > 0
@@ -41,6 +41,11 @@ def test_every_mode_runs_a_three_turn_trace(results):
     assert by["no-recompute"]["summary"]["recomputed_tokens"] == 0
     assert by["samcache@0.5"]["summary"]["recomputed_tokens"] > by["samcache@0.05"]["summary"]["recomputed_tokens"]
     assert by["baseline"]["summary"]["fidelity"] is None
+    # the floor serves only first-seen images: one ViT call and one image's tokens a turn, no reuse
+    floor = by["new-only"]
+    assert floor["summary"]["vit_calls"] == 3 and floor["summary"]["fidelity"] is None
+    assert floor["summary"]["image_reused_tokens"] == 0
+    assert all(f["prompt_tokens"] < p["prompt_tokens"] for f, p in zip(floor["turns"][1:], by["prefix"]["turns"][1:]))
     assert by["samcache@0.05"]["summary"]["fidelity"]["kl_median"] >= 0
     assert by["uniform-budget@0.05"]["budget"] == "uniform" and by["samcache@0.05"]["budget"] == "layer-aware"
     assert results["meta"]["sensitivity"] is not None
@@ -81,6 +86,7 @@ def test_report_builds_from_a_results_file(results, tmp_path):
     assert row["`samcache@0.5`"][2].strip() == "0.5" and row["`baseline`"][2].strip() == "-"
     assert row["`baseline`"][13].strip() == "- / - / -" and row["`prefix`"][13].strip().endswith("/ -")
     assert "exact" in row["`baseline`"][16] and "2 tokens a turn in every mode" in text
+    assert "n/a" in row["`new-only`"][16] and "`new-only` is a floor" in text
     for png in ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png"):
         assert (tmp_path / png).stat().st_size > 1000
     with pytest.raises(ValueError, match="missing"):

@@ -31,6 +31,30 @@ def test_gui_slides_a_window_so_images_repeat_at_new_positions():
     assert t.summary()["distinct_images"] == 6
 
 
+def test_new_content_keeps_only_first_seen_images_and_the_last_text():
+    gui = make_trace("gui", turns=6, window=4, size=SMALL)
+    for t, turn in enumerate(gui.turns):
+        cut = gui.new_content(t)
+        assert cut.images() == [turn.images()[-1]]  # the one new screenshot of the turn
+        assert cut.messages[0] == turn.messages[0] and cut.messages[0]["role"] == "system"
+        assert cut.messages[-1]["content"][-1] == turn.messages[-1]["content"][-1]  # the question, verbatim
+    br = make_trace("branch", branches=2, images=3, continue_turns=2, size=SMALL)
+    assert len(br.new_content(0).images()) == 3  # the planner sees every image first
+    for t in range(1, len(br.turns)):
+        cut = br.new_content(t)
+        assert cut.images() == [] and len(cut.messages) == 2
+        last = br.turns[t].messages[-1]["content"]
+        assert cut.messages[-1]["content"][-1]["text"] == (last if isinstance(last, str) else last[-1]["text"])
+    d = make_trace("docs", turns=6, pages=6, per_turn=3, size=SMALL)
+    first_seen = set()
+    for t, turn in enumerate(d.turns):
+        new = [r for r in dict.fromkeys(turn.images()) if r not in first_seen]
+        assert d.new_content(t).images() == new
+        first_seen |= set(turn.images())
+    with pytest.raises(ValueError, match="outside"):
+        d.new_content(6)
+
+
 def test_gui_defaults_to_a_window_of_four():
     t = make_trace("gui", turns=6, size=SMALL)
     assert max(len(turn.images()) for turn in t.turns) == 4 and t.params["window"] == 4

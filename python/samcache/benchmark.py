@@ -11,6 +11,9 @@ comparable and slow drifts of the machine hit every mode alike. Modes:
 ``no-recompute``          samcache with recompute 0 (ablation)
 ``head-only``             samcache with track 1 only: span heads, no relevance track (ablation)
 ``uniform-budget``        samcache with the same rate at every layer (ablation: VLCache's assumption)
+``new-only``              a floor, not a system: each turn cut down to its new content (first-seen
+                          images and the last message's text, no context), served with every cache
+                          on. No reuse scheme serving the whole turn can be faster
 ========================  ==========================================================================
 
 ``recompute`` ratios apply to the modes that recompute (samcache, head-only, uniform-budget):
@@ -43,6 +46,7 @@ class Mode:
     engine_kwargs: dict[str, Any]
     recomputes: bool = False  # takes the benchmark's recompute ratios
     layer_aware: bool = False  # needs the calibrated sensitivity curves
+    new_content_only: bool = False  # serves Trace.new_content(t) instead of the whole turn
 
 
 MODES: dict[str, Mode] = {
@@ -56,6 +60,8 @@ MODES: dict[str, Mode] = {
                       recomputes=True, layer_aware=True),
     "uniform-budget": Mode("samcache, the same recompute rate at every layer", {"recompute_budget": "uniform"},
                            recomputes=True),
+    "new-only": Mode("floor: only the turn's new content (first-seen images, last message text), no context",
+                     {}, new_content_only=True),
 }
 
 
@@ -195,10 +201,13 @@ def run_benchmark(
         # machine and the cache state left by the previous run hit every mode alike.
         for t, turn in enumerate(trace.turns):
             messages = turn.resolved()
+            floor = trace.new_content(t).resolved() if any(MODES[m].new_content_only for m, _ in runs) else None
             for i in [(t + k) % len(runs) for k in range(len(runs))]:
                 (mode, _), engine = runs[i], engines[i]
-                r = engine.chat(messages=messages, max_new_tokens=turn.max_new_tokens, ignore_eos=True,
-                                fidelity=fidelity and mode != "baseline", fidelity_tokens=fidelity_tokens)
+                cut = MODES[mode].new_content_only  # another prompt: fidelity against the turn means nothing
+                r = engine.chat(messages=floor if cut else messages, max_new_tokens=turn.max_new_tokens,
+                                ignore_eos=True, fidelity=fidelity and mode != "baseline" and not cut,
+                                fidelity_tokens=fidelity_tokens)
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
                 rec["kv_held_bytes"] = _kv_held(engine, r.metrics)

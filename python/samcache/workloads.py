@@ -15,6 +15,9 @@ Scenarios (``SCENARIOS``; every generator takes ``seed`` and sizes as keywords):
 - ``branch``: a planner that forks sub-agents (each with its own system prompt) over the same
   images, then continues the best branch for a few turns.
 - ``chat``: plain multi-turn chat over one image: the prefix-friendly control case.
+
+``Trace.new_content(t)`` cuts turn ``t`` down to what no cache can hold (the images seen for the
+first time and the last message's text): the floor the benchmark's ``new-only`` mode measures.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ class Trace:
 
         return json.dumps({"scenario": self.scenario, "seed": self.seed, "params": self.params,
                            "turns": [asdict(t) for t in self.turns]}, default=enc, sort_keys=True)
+
+    def new_content(self, t: int) -> Turn:
+        """Turn ``t`` cut down to what no cache can hold: its system message, the images no earlier
+        turn sent (in order of appearance) and the text of its last message.
+
+        Serving it costs less than serving turn ``t`` with every earlier image and token free
+        (it skips even the new tokens' attention to that context), so its TTFT is a floor for any
+        reuse scheme: the benchmark's ``new-only`` mode.
+        """
+        if not 0 <= t < len(self.turns):
+            raise ValueError(f"turn index {t} is outside this {len(self.turns)}-turn trace")
+        seen = {r for turn in self.turns[:t] for r in turn.images()}
+        turn = self.turns[t]
+        fresh = list(dict.fromkeys(r for r in turn.images() if r not in seen))
+        content = turn.messages[-1]["content"]
+        text = content if isinstance(content, str) else " ".join(p["text"] for p in content if p.get("type") == "text")
+        system = [m for m in turn.messages[:1] if m["role"] == "system"]
+        return Turn(turn.label, [*system, user_message(fresh, text)], turn.max_new_tokens)
 
     def summary(self) -> dict[str, Any]:
         refs = [r for t in self.turns for r in t.images()]
