@@ -1,8 +1,11 @@
 """`samcache bench` / `samcache report`: every mode on a 3-turn trace, the report, bad input."""
 
 import json
+import pathlib
+import shutil
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -84,9 +87,12 @@ def test_report_builds_from_a_results_file(results, tmp_path):
     assert "## What was run" in text and "`samcache@0.05`" in text and "## Reproduce" in text
     row = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| `")}
     assert row["`samcache@0.5`"][2].strip() == "0.5" and row["`baseline`"][2].strip() == "-"
-    assert row["`baseline`"][13].strip() == "- / - / -" and row["`prefix`"][13].strip().endswith("/ -")
-    assert "exact" in row["`baseline`"][16] and "2 tokens a turn in every mode" in text
-    assert "n/a" in row["`new-only`"][16] and "`new-only` is a floor" in text
+    assert row["`baseline`"][14].strip() == "- / - / -" and row["`prefix`"][14].strip().endswith("/ -")
+    assert "exact" in row["`baseline`"][17] and "2 tokens a turn in every mode" in text
+    assert "n/a" in row["`new-only`"][17] and "`new-only` is a floor" in text
+    assert row["`prefix`"][7].strip() == "1.00× / 1.00×" and "With 3 turns, p95 is close to the slowest" in text
+    mean = results["runs"][0]["summary"]["ttft_mean_ms"]
+    assert row["`baseline`"][5].strip() == f"{mean:.1f} ms"
     for png in ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png"):
         assert (tmp_path / png).stat().st_size > 1000
     with pytest.raises(ValueError, match="missing"):
@@ -99,6 +105,32 @@ def test_bench_cli_writes_results_and_report(model, tmp_path, capsys):
     assert rc == 0
     assert json.loads((tmp_path / "results.json").read_text())["trace"]["scenario"] == "chat"
     assert (tmp_path / "report.md").exists() and "vs prefix" in capsys.readouterr().out
+
+
+def test_repeat_takes_each_turns_median_over_fresh_plays(model):
+    trace = make_trace("gui", turns=2, window=2, size=(112, 168), max_new_tokens=2)
+    res = run_benchmark(trace, model, modes=["prefix", "samcache"], repeat=3, fidelity_tokens=2, progress=False)
+    assert res["meta"]["repeat"] == 3
+    for run in res["runs"]:
+        for t in run["turns"]:
+            assert len(t["ttft_reps_s"]) == 3 and t["ttft_s"] == sorted(t["ttft_reps_s"])[1]
+        # every play starts cold: the work counts are those of a single play
+        assert [t["vit_calls"] for t in run["turns"]] == [1, 1]
+    assert res["runs"][1]["summary"]["fidelity"] is not None
+    with pytest.raises(ValueError, match="repeat must be"):
+        run_benchmark(trace, model, modes=["prefix"], repeat=0, progress=False)
+
+
+def test_bench_builds_a_model_when_none_is_given_and_deletes_it(tmp_path, capsys):
+    args = ["bench", "--scenario", "chat", "--turns", "1", "--modes", "prefix", "--out", str(tmp_path), "--quiet",
+            "--max-new-tokens", "1", "--no-fidelity", *SMALL]
+    assert main(args) == 0
+    built = pathlib.Path(capsys.readouterr().err.split("checkpoint (tiny) in ")[1].split()[0])
+    assert built.name == "qwen2_5_vl" and not built.parent.exists()
+    assert main(args + ["--keep-model"]) == 0
+    kept = pathlib.Path(capsys.readouterr().err.split("checkpoint (tiny) in ")[1].split()[0])
+    assert (kept / "config.json").exists()
+    shutil.rmtree(kept.parent)
 
 
 def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
@@ -115,6 +147,23 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
                  "--turns", "1", *SMALL]) == 2
     assert "device must be" in capsys.readouterr().err
     assert main(["bench", "--scenario", "gui", "--model", "/nonexistent"]) == 2
+    assert main(["bench", "--scenario", "gui", "--modes", "prefix", "--recompute", "0.1", "--model", str(model)]) == 2
+    assert "--recompute applies to the modes that recompute" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "branch", "--turns", "3", "--model", str(model)]) == 2
+    assert "'branch' has no parameter 'turns'; its parameters: seed, branches" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "docs", "--param", "pages", "--model", str(model)]) == 2
+    assert "--param needs KEY=VALUE" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "docs", "--param", "per_turn=9", "--model", str(model)]) == 2
+    assert "per_turn (9) cannot exceed pages (6)" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--repeat", "0", "--model", str(model)]) == 2
+    assert "--repeat must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--scenario", "gui", "--preset", "huge"])
+    assert "invalid choice: 'huge'" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # refused before any checkpoint is built for it
+        assert main(["bench", "--scenario", "gui", "--device", "cuda", "--preset", "qwen2.5-vl-7b"]) == 2
+        err = capsys.readouterr().err
+        assert "torch sees no CUDA GPU" in err and "checkpoint" not in err
     assert main(["report", "/nonexistent/results.json"]) == 2
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("")

@@ -82,8 +82,10 @@ def test_docs_branch_and_chat_shapes():
 def test_unknown_scenario_or_parameter_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown scenario 'nope'; choose from gui, docs, branch, chat"):
         make_trace("nope")
-    with pytest.raises(ValueError, match="unexpected keyword"):
+    with pytest.raises(ValueError, match="scenario 'gui' has no parameter 'pages'; its parameters: seed, turns, window"):
         make_trace("gui", pages=3)
+    with pytest.raises(ValueError, match="'branch' has no parameter 'turns'.*continue_turns"):
+        make_trace("branch", turns=3)
     with pytest.raises(ValueError, match="turns must be an int >= 1"):
         make_trace("chat", turns=0)
     with pytest.raises(ValueError, match="per_turn"):

@@ -24,6 +24,7 @@ other mode, outside the timed path.
 
 from __future__ import annotations
 
+import gc
 import platform
 import statistics
 import time
@@ -101,6 +102,7 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
     return {
         "ttft_p50_ms": 1e3 * _percentile(ttft, 50),
         "ttft_p95_ms": 1e3 * _percentile(ttft, 95),
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else float("nan"),
         "latency_p50_ms": 1e3 * _percentile([t["latency_s"] for t in turns], 50),
         "prompt_tokens": total("prompt_tokens"),
         "prefilled_tokens": total("prefilled_tokens"),
@@ -148,17 +150,22 @@ def run_benchmark(
     progress: bool = True,
     command: str | None = None,
     model_note: str | None = None,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready).
 
     All engines share one copy of the weights; each has its own KV pool of ``kv_cache_bytes``
     (default 256 MiB on the CPU, 2 GiB on CUDA) and an image-KV store of the same size.
     ``model_note`` describes the checkpoint in the report (e.g. "random weights, built").
+    ``repeat`` > 1 plays the trace that many times, each with fresh engines; every turn's TTFT
+    and latency are then the median over the repetitions (all of them kept in ``ttft_reps_s``).
     """
     from samcache.engine import SAMcacheEngine
 
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
     if kv_cache_bytes is None:
         kv_cache_bytes = (2 << 30) if str(device).startswith("cuda") else (256 << 20)
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}
@@ -177,26 +184,30 @@ def run_benchmark(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(runs) * len(trace.turns), desc=f"samcache bench {trace.scenario}", unit="turn")
-    engines = []
-    for mode, ratio in runs:
-        kw = {**base, **MODES[mode].engine_kwargs}
-        if ratio is not None:
-            kw["recompute_ratio"] = ratio
-        if MODES[mode].layer_aware:
-            kw["sensitivity"] = curves
-            if curves is None:
-                kw["recompute_budget"] = "uniform"
-        engine = SAMcacheEngine(model_path, **kw)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # First-call costs (image path included) out of the timed turns; its own system prompt,
-            # so no trace prompt gets a prefix hit from it.
-            engine.chat(messages=[{"role": "system", "content": "samcache warm-up"},
-                                  user_message([screenshot(987_654_321, (56, 56))], "warm-up")], max_new_tokens=2)
-        engines.append(engine)
-    per_run: list[list[dict]] = [[] for _ in runs]
-    try:
+        bar = tqdm(total=repeat * len(runs) * len(trace.turns), desc=f"samcache bench {trace.scenario}", unit="turn")
+
+    def make_engines() -> list:
+        engines = []
+        for mode, ratio in runs:
+            kw = {**base, **MODES[mode].engine_kwargs}
+            if ratio is not None:
+                kw["recompute_ratio"] = ratio
+            if MODES[mode].layer_aware:
+                kw["sensitivity"] = curves
+                if curves is None:
+                    kw["recompute_budget"] = "uniform"
+            engine = SAMcacheEngine(model_path, **kw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # First-call costs (image path included) out of the timed turns; its own system prompt,
+                # so no trace prompt gets a prefix hit from it.
+                engine.chat(messages=[{"role": "system", "content": "samcache warm-up"},
+                                      user_message([screenshot(987_654_321, (56, 56))], "warm-up")], max_new_tokens=2)
+            engines.append(engine)
+        return engines
+
+    def play(engines: list, measure_fidelity: bool) -> list[list[dict]]:
+        per_run: list[list[dict]] = [[] for _ in runs]
         # Turn by turn, every run in turn, starting one run later each turn: slow drifts of a shared
         # machine and the cache state left by the previous run hit every mode alike.
         for t, turn in enumerate(trace.turns):
@@ -206,7 +217,7 @@ def run_benchmark(
                 (mode, _), engine = runs[i], engines[i]
                 cut = MODES[mode].new_content_only  # another prompt: fidelity against the turn means nothing
                 r = engine.chat(messages=floor if cut else messages, max_new_tokens=turn.max_new_tokens,
-                                ignore_eos=True, fidelity=fidelity and mode != "baseline" and not cut,
+                                ignore_eos=True, fidelity=measure_fidelity and mode != "baseline" and not cut,
                                 fidelity_tokens=fidelity_tokens)
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
@@ -214,12 +225,34 @@ def run_benchmark(
                 per_run[i].append(rec)
                 if bar is not None:
                     bar.update(1)
+        for engine in engines:
+            engine.check_invariants()
+        return per_run
+
+    try:
+        engines = make_engines()
+        per_run = play(engines, fidelity)
+        for _ in range(repeat - 1):
+            # Fresh engines (cold caches) for every repetition: the same trace, the same work, only
+            # the timing differs. Work counts and fidelity come from the first, which measured them.
+            engines = None
+            gc.collect()
+            engines = make_engines()
+            again = play(engines, False)
+            for first, other in zip(per_run, again):
+                for rec, rep in zip(first, other):
+                    rec.setdefault("ttft_reps_s", [rec["ttft_s"]]).append(rep["ttft_s"])
+                    rec.setdefault("latency_reps_s", [rec["latency_s"]]).append(rep["latency_s"])
+        if repeat > 1:
+            for turns in per_run:
+                for rec in turns:
+                    rec["ttft_s"] = statistics.median(rec["ttft_reps_s"])
+                    rec["latency_s"] = statistics.median(rec["latency_reps_s"])
     finally:
         if bar is not None:
             bar.close()
     results = []
     for (mode, ratio), engine, turns in zip(runs, engines, per_run):
-        engine.check_invariants()
         results.append({
             "mode": mode,
             "recompute": ratio,
@@ -245,6 +278,7 @@ def run_benchmark(
         "kv_cache_mib_per_engine": kv_cache_bytes >> 20,
         "max_new_tokens": max(t.max_new_tokens for t in trace.turns),
         "fidelity_tokens": fidelity_tokens if fidelity else 0,
+        "repeat": repeat,
         "sensitivity": {"rates": curves.rates.tolist(), "loss": curves.loss.tolist()} if curves is not None else None,
     })
     return {"meta": meta, "trace": trace.summary(), "modes": {m: MODES[m].description for m in modes}, "runs": results}

@@ -9,25 +9,45 @@ report`` rebuilds its report from the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import shlex
+import shutil
 import sys
 import tempfile
 
 
 def _bench(args) -> int:
-    from samcache.benchmark import parse_modes, parse_ratios, run_benchmark
-    from samcache.report import write_report
+    from samcache.benchmark import parse_modes, parse_ratios
+    from samcache.models import PRESETS
     from samcache.workloads import make_trace
+
+    from samcache.benchmark import MODES
 
     try:
         modes = parse_modes(args.modes)
-        ratios = parse_ratios(args.recompute)
+        ratios = parse_ratios(args.recompute if args.recompute is not None else "0.05")
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
+    if args.recompute is not None and not any(MODES[m].recomputes for m in modes):
+        print(f"samcache bench: --recompute applies to the modes that recompute "
+              f"({', '.join(m for m in MODES if MODES[m].recomputes)}); none of {', '.join(modes)} does", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print(f"samcache bench: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
+        return 2
     params = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"samcache bench: --param needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
     if args.turns is not None:
         params["turns"] = args.turns
     if args.window is not None:
@@ -50,30 +70,46 @@ def _bench(args) -> int:
     if args.fidelity_tokens < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
         print("samcache bench: --fidelity-tokens and --kv-cache-mib must be >= 1", file=sys.stderr)
         return 2
-    model, note = args.model, "supplied checkpoint"
-    if model is None:
-        from samcache.models import build_tiny_model
+    if str(args.device).startswith("cuda"):  # before minutes of building a checkpoint for it
+        import torch
 
-        from samcache.models import PRESETS
-
-        if args.preset not in PRESETS:
-            print(f"samcache bench: unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+        if not torch.cuda.is_available():
+            print(f"samcache bench: --device {args.device}: torch sees no CUDA GPU "
+                  f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})", file=sys.stderr)
             return 2
-        sizes = PRESETS[args.preset] | ({"dtype": args.dtype} if args.preset != "tiny" and args.dtype else {})
-        model = build_tiny_model(args.family, pathlib.Path(tempfile.mkdtemp(prefix="samcache-bench-")) / args.family,
-                                 **sizes)
-        print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}", file=sys.stderr)
-        note = f"random weights, built by samcache.models ({args.preset} sizes)"
-    elif not pathlib.Path(model).is_dir():
-        print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        model, note = args.model, "supplied checkpoint"
+        if model is None:
+            from samcache.models import build_tiny_model
+
+            # Real-size presets are built in the run's dtype (bf16 on CUDA): a float32 7B checkpoint
+            # is 33 GB of random numbers. The build is deleted after the run unless --keep-model.
+            dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else None)
+            sizes = PRESETS[args.preset] | ({"dtype": dtype} if args.preset != "tiny" and dtype else {})
+            where = tempfile.mkdtemp(prefix="samcache-bench-")
+            if not args.keep_model:
+                stack.callback(shutil.rmtree, where, ignore_errors=True)
+            model = build_tiny_model(args.family, pathlib.Path(where) / args.family, **sizes)
+            print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}"
+                  + ("" if args.keep_model else " (deleted after the run; --keep-model keeps it)"), file=sys.stderr)
+            note = f"random weights, built by samcache.models ({args.preset} sizes)"
+        elif not pathlib.Path(model).is_dir():
+            print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
+            return 2
+        return _run(args, trace, model, note, modes, ratios, out)
+
+
+def _run(args, trace, model, note, modes, ratios, out) -> int:
+    from samcache.benchmark import run_benchmark
+    from samcache.report import write_report
+
     command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
     try:
         results = run_benchmark(
             trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
             fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
-            progress=not args.quiet, command=command, model_note=note,
+            progress=not args.quiet, command=command, model_note=note, repeat=args.repeat,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model, device, dtype, prompt too long, ...
         print(f"samcache bench: {type(e).__name__}: {e}", file=sys.stderr)
@@ -81,13 +117,21 @@ def _bench(args) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
     prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
-    print(f"{'run':<22}{'TTFT p50':>11}{'TTFT p95':>11}{'vs prefix':>10}{'computed':>10}{'KL median':>11}")
+    print(f"{'run':<24}{'TTFT p50':>11}{'TTFT mean':>11}{'vs prefix':>15}{'computed':>10}{'KL median':>11}"
+          f"{'top-1':>7}{'greedy':>8}")
     for r in results["runs"]:
         s = r["summary"]
-        ratio = f"{prefix['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x" if prefix else "-"
-        kl = f"{s['fidelity']['kl_median']:.2e}" if s["fidelity"] else ("exact" if r["mode"] == "baseline" else "-")
-        print(f"{r['name']:<22}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_p95_ms']:>8.1f} ms{ratio:>10}"
-              f"{s['computed_tokens']:>10}{kl:>11}")
+        ratio = "-"
+        if prefix:
+            p = prefix["summary"]
+            ratio = f"{p['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x/{p['ttft_mean_ms'] / s['ttft_mean_ms']:.2f}x"
+        f = s["fidelity"]
+        kl = f"{f['kl_median']:.2e}" if f else ("exact" if r["mode"] == "baseline" else "n/a")
+        top1, greedy = (f"{f['top1_agree']:.0%}", f"{f['greedy_agree']:.0%}") if f else ("-", "-")
+        name = r["name"] + (" (floor)" if r["mode"] == "new-only" else "")
+        print(f"{name:<24}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_mean_ms']:>8.1f} ms{ratio:>15}"
+              f"{s['computed_tokens']:>10}{kl:>11}{top1:>7}{greedy:>8}")
+    print("(vs prefix: p50 / mean TTFT ratios; fidelity against a full prefill of the same prompt)")
     print(f"wrote {out / 'results.json'} and {report}")
     return 0
 
@@ -108,7 +152,8 @@ def _report(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from samcache.benchmark import MODES
-    from samcache.workloads import SCENARIOS
+    from samcache.models import PRESETS
+    from samcache.workloads import SCENARIOS, scenario_parameters
 
     p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,14 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated, from: " + ", ".join(MODES))
     b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
     b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])
-    b.add_argument("--preset", default="tiny", help="sizes of the built checkpoint: tiny or qwen2.5-vl-7b (GPU)")
+    b.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="sizes of the built checkpoint: tiny, or real sizes with random weights (GPU)")
+    b.add_argument("--keep-model", action="store_true", help="keep the built checkpoint after the run")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
-    b.add_argument("--turns", type=int, help="turns of the scenario (gui 20, docs 12, chat 8 by default)")
+    b.add_argument("--turns", type=int, help="gui, docs, chat: turns (default 20, 12, 8)")
     b.add_argument("--window", type=int, help="gui: screenshots kept in the prompt (default 4)")
     b.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), help="image size (default: real sizes)")
+    b.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any scenario parameter, value as JSON (e.g. --param pages=8 --param branches=4); "
+                        "parameters: " + "; ".join(f"{n}: {', '.join(scenario_parameters(n))}" for n in SCENARIOS))
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--recompute", default="0.05", help="recompute ratio(s), comma-separated: a sweep")
+    b.add_argument("--recompute", default=None, help="recompute ratio(s), comma-separated: a sweep (default 0.05)")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="run the trace N times with fresh engines; each turn's TTFT is its median over the N")
     b.add_argument("--max-new-tokens", type=int, default=8)
     b.add_argument("--fidelity-tokens", type=int, default=4)
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")

@@ -23,6 +23,7 @@ first time and the last message's text): the floor the benchmark's ``new-only`` 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -232,14 +233,25 @@ def chat(*, seed: int = 0, turns: int = 8, size: tuple[int, int] = (720, 1280), 
 SCENARIOS: dict[str, Callable[..., Trace]] = {"gui": gui, "docs": docs, "branch": branch, "chat": chat}
 
 
-def make_trace(scenario: str, **params) -> Trace:
-    """``SCENARIOS[scenario](**params)`` with a clear error for an unknown scenario or parameter."""
+def scenario_parameters(scenario: str) -> list[str]:
+    """The keyword parameters of a scenario's generator, in order."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+    return list(inspect.signature(SCENARIOS[scenario]).parameters)
+
+
+def make_trace(scenario: str, **params) -> Trace:
+    """``SCENARIOS[scenario](**params)`` with a clear error for an unknown scenario or parameter."""
+    known = scenario_parameters(scenario)
+    unknown = [k for k in params if k not in known]
+    if unknown:
+        raise ValueError(f"scenario {scenario!r} has no parameter {', '.join(map(repr, unknown))}; "
+                         f"its parameters: {', '.join(known)}")
     try:
         return SCENARIOS[scenario](**params)
-    except TypeError as e:
+    except TypeError as e:  # e.g. a size that is not a pair
         raise ValueError(f"scenario {scenario!r}: {e}") from None
 
 
-__all__ = ["SCENARIOS", "ImageRef", "Trace", "Turn", "branch", "chat", "docs", "gui", "make_trace", "materialize"]
+__all__ = ["SCENARIOS", "ImageRef", "Trace", "Turn", "branch", "chat", "docs", "gui", "make_trace", "materialize",
+           "scenario_parameters"]

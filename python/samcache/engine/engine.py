@@ -199,6 +199,11 @@ class SAMcacheEngine:
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
         self.model_path = pathlib.Path(model_path)
         self.family = detect_family(self.model_path)
+        self._fingerprint = model_fingerprint(self.model_path)
+        if share_weights_with is not None and (self._fingerprint.rsplit(":", 1)[1]
+                                               != share_weights_with._fingerprint.rsplit(":", 1)[1]):
+            raise ValueError(f"share_weights_with holds the weights of {share_weights_with.model_path}, "
+                             f"not those of {self.model_path}")
         self.device = _resolve_device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if kv_cache_bytes is None:
@@ -220,7 +225,7 @@ class SAMcacheEngine:
         eos = getattr(self.runner.model.generation_config, "eos_token_id", None) or cfg.text_config.eos_token_id
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
-        self.model_id = model_id or model_fingerprint(self.model_path)
+        self.model_id = model_id or self._fingerprint
         self.tenant = tenant
         self.use_prefix = cache_enabled and prefix_cache
         self.use_vit_cache = cache_enabled and vit_cache
@@ -273,14 +278,17 @@ class SAMcacheEngine:
         ``max_new_tokens`` (benchmarks: the same work in every mode).
         """
         start = time.perf_counter()
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if fidelity and (not isinstance(fidelity_tokens, int) or fidelity_tokens < 1):
+        if fidelity and (isinstance(fidelity_tokens, bool) or not isinstance(fidelity_tokens, int) or fidelity_tokens < 1):
             raise ValueError(f"fidelity_tokens must be an int >= 1, got {fidelity_tokens!r}")
         sampler = Sampler(temperature, top_p, seed=self.seed + self._turns if seed is None else seed, device="cpu")
         if messages is not None:
             if images is not None or prompt is not None or session is not None:
                 raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
+            if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+                raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                                f"got {type(messages).__name__}")
             history = list(messages)
         else:
             if prompt is None:
@@ -323,7 +331,7 @@ class SAMcacheEngine:
             raise
         self.pool.free_sequence(pre.seq)
         if fork is not None:
-            m.fidelity = self._fidelity(prompt_, pre, fork, fidelity_tokens)
+            m.fidelity = self._fidelity(prompt_, pre, fork, fidelity_tokens, namespace)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if session is not None:
             session.messages = history + [{"role": "assistant", "content": text}]
@@ -369,15 +377,20 @@ class SAMcacheEngine:
         register: bool | None = None,
         recompute_ratio: float | None = None,
         kv_override: Callable[[np.ndarray], None] | None = None,
+        vit_namespace: Namespace | None = None,
+        store_vit: bool = True,
     ) -> _Prefilled:
         """Put ``prompt``'s KV into a new sequence of the pool and return it with the next-token
         logits. The caller frees ``result.seq``. Arguments default to the engine's settings;
         ``register=False`` keeps the sequence's blocks out of the prefix cache, and
-        ``kv_override(block_table)`` runs after reused KV is spliced in (the sensitivity probe)."""
+        ``kv_override(block_table)`` runs after reused KV is spliced in (the sensitivity probe);
+        ``vit_namespace`` is where ViT outputs are looked up and kept (default ``namespace``;
+        ``store_vit=False`` only looks)."""
         use_prefix = self.use_prefix if use_prefix is None else use_prefix
         use_image_kv = self.use_image_kv if use_image_kv is None else use_image_kv
         register = self.use_prefix if register is None else register
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        vit_ns = namespace if vit_namespace is None else vit_namespace
         bs = self.pool.block_size
         n = len(prompt)
         m = TurnMetrics(prompt_tokens=n, images=len(prompt.images))
@@ -427,7 +440,8 @@ class SAMcacheEngine:
 
             # 3. Embeddings of the new tokens (ViT for new images), then the recompute plan.
             vit: dict[int, tuple] = {}
-            self._ensure_vit(prompt, [i for i, s in enumerate(prompt.images) if is_new[s.start:s.end].any()], vit, m)
+            self._ensure_vit(prompt, [i for i, s in enumerate(prompt.images) if is_new[s.start:s.end].any()], vit, m,
+                             vit_ns, store_vit)
             quota = []
             if m.image_reused_tokens:
                 budget = self._budget(ratio)
@@ -439,9 +453,9 @@ class SAMcacheEngine:
             if quota and quota[0] > 0:
                 scores = self._relevance(prompt, new_index, spans, table, vit) if self.recompute_tracks == "both" else None
                 plan = plan_recompute(spans, quota, scores, head_fraction=self.head_fraction,
-                                      track2_share=self.track2_share)
+                                      track2_share=self._track2_share)
                 layer_sets = [plan.positions(layer) for layer in range(self.runner.num_layers)]
-                self._ensure_vit(prompt, reused, vit, m)
+                self._ensure_vit(prompt, reused, vit, m, vit_ns, store_vit)
             m.recompute_rates = [q / m.image_reused_tokens for q in quota] if quota else [0.0] * self.runner.num_layers
             index = np.union1d(new_index, layer_sets[0]) if layer_sets else new_index
             m.recomputed_tokens = int(index.size - new_index.size)
@@ -461,17 +475,23 @@ class SAMcacheEngine:
             raise
         return _Prefilled(seq=seq, prompt=prompt, logits=logits, metrics=m, vit=vit)
 
+    @property
+    def _track2_share(self) -> float:
+        return self.track2_share if self.recompute_tracks == "both" else 0.0  # "heads": track 1 alone
+
     def _kv_check(self, span) -> tuple:
         return (span.image.grid, span.length, self.runner.num_layers)
 
-    def _ensure_vit(self, prompt: Prompt, image_indices: list[int], vit: dict, m: TurnMetrics) -> None:
-        """ViT outputs of these images (from the cache, else one batched vision-tower call)."""
+    def _ensure_vit(self, prompt: Prompt, image_indices: list[int], vit: dict, m: TurnMetrics,
+                    namespace: Namespace, store: bool) -> None:
+        """ViT outputs of these images (from the cache, else one batched vision-tower call); ``store``
+        keeps new ones in the cache."""
         missing = []
         for i in image_indices:
             if i in vit:
                 continue
             span = prompt.images[i]
-            hit = self.vit_store.get(self._vit_key(span), check=span.image.grid) if self.use_vit_cache else None
+            hit = self.vit_store.get(namespace.key(span.image.content), check=span.image.grid) if self.use_vit_cache else None
             if hit is not None:
                 vit[i] = hit
                 m.vit_hits += 1
@@ -480,7 +500,8 @@ class SAMcacheEngine:
         if not missing:
             return
         pixels = [prompt.images[i].image.pixels for i in missing]
-        inputs = self.processor.image_processor(images=pixels, return_tensors="pt")
+        # Always HxWx3: left to guess, the processor reads a 1- or 3-pixel-tall image as channels-first.
+        inputs = self.processor.image_processor(images=pixels, return_tensors="pt", input_data_format="channels_last")
         outputs = self.runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
         for i, out in zip(missing, outputs):
             span = prompt.images[i]
@@ -488,11 +509,10 @@ class SAMcacheEngine:
                 raise RuntimeError(f"vision tower returned {tuple(out[0].shape)} for an image of {span.length} tokens")
             vit[i] = out
             m.vit_calls += 1
-            if self.use_vit_cache:
-                self.vit_store.put(self._vit_key(span), out, check=span.image.grid)
-
-    def _vit_key(self, span):
-        return Namespace(self.model_id).key(span.image.content)  # ViT outputs do not depend on the tenant
+            if self.use_vit_cache and store:
+                # Keyed by tenant too: the output does not depend on it, but a hit would tell one
+                # tenant (through its TTFT and metrics) that another has sent this image.
+                self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
 
     def _embeds(self, prompt: Prompt, index: np.ndarray, vit: dict) -> torch.Tensor:
         r = self.runner
@@ -573,10 +593,12 @@ class SAMcacheEngine:
         cached = [int(b) for b in blocks if hashed and self.pool.block_hash(int(b)) is not None]
         if cached:
             self.pool.set_block_priority(np.asarray(cached, dtype=np.int32), _LOWEST)
-        before = self.pool.stats()["evictable_blocks"]
         self.pool.free_sequence(seq)
-        if cached:  # lowest priority first: ours; duplicates of cached blocks were freed, not cached
-            self.pool.evict(min(len(cached), self.pool.stats()["evictable_blocks"] - before))
+        # Ours that are now cached and unreferenced (a duplicate of a block cached elsewhere was
+        # freed and lost its hash; one still shared stays): evicted first, being lowest priority.
+        ours = [b for b in cached if self.pool.refcount(b) == 0 and self.pool.block_hash(b) is not None]
+        if ours:
+            self.pool.evict(len(ours))
 
     # ---- after the prefill --------------------------------------------------------------------
     def _register(self, pre: _Prefilled, namespace: Namespace) -> None:
@@ -616,11 +638,12 @@ class SAMcacheEngine:
         reason = "stop" if token in self.eos_token_ids else "length"
         return tokens, reason, time.perf_counter() - start
 
-    def _fidelity(self, prompt: Prompt, pre: _Prefilled, fork: int, n_tokens: int) -> Fidelity | None:
+    def _fidelity(self, prompt: Prompt, pre: _Prefilled, fork: int, n_tokens: int,
+                  namespace: Namespace) -> Fidelity | None:
         """The turn (its KV kept in ``fork``) against a full prefill of the same prompt."""
         greedy = Sampler(0.0)
         try:
-            ref = self._full_prefill(prompt)
+            ref = self._full_prefill(prompt, vit_namespace=namespace)
         except (PromptTooLong, OutOfBlocks) as e:
             self.pool.free_sequence(fork)
             warnings.warn(f"fidelity not measured: the reference prefill does not fit the pool ({e})", stacklevel=3)
@@ -633,17 +656,21 @@ class SAMcacheEngine:
             mine, _, _ = self._decode(fork, greedy(pre.logits), prompt.next_position, n_tokens, greedy, register=False)
             theirs, _, _ = self._decode(ref.seq, greedy(ref.logits), prompt.next_position, n_tokens, greedy,
                                         register=False)
+        except OutOfBlocks as e:  # the turn itself succeeded: keep it, skip the comparison
+            warnings.warn(f"fidelity not measured: its greedy decodes do not fit the pool ({e})", stacklevel=3)
+            return None
         finally:
             self.pool.free_sequence(fork)
             self.pool.free_sequence(ref.seq)
         agree, prefix, count = greedy_agreement(theirs, mine)
         return Fidelity(kl=kl, top1_agree=top1, greedy_agree=agree, greedy_match_prefix=prefix, greedy_tokens=count)
 
-    def _full_prefill(self, prompt: Prompt) -> _Prefilled:
+    def _full_prefill(self, prompt: Prompt, vit_namespace: Namespace | None = None) -> _Prefilled:
         """The reference: every token computed, nothing reused (ViT outputs may come from the
-        cache: they do not depend on the context). Not registered in any cache."""
+        cache of ``vit_namespace``: they do not depend on the context). Not registered in any cache."""
         return self.prefill(prompt, Namespace(self.model_id, "samcache/reference"), use_prefix=False,
-                            use_image_kv=False, register=False, recompute_ratio=0.0)
+                            use_image_kv=False, register=False, recompute_ratio=0.0, vit_namespace=vit_namespace,
+                            store_vit=False)
 
     # ---- the layer-aware budget ---------------------------------------------------------------
     def _load_sensitivity(self, sensitivity) -> SensitivityCurves | None:
@@ -658,6 +685,9 @@ class SAMcacheEngine:
             curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]))
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
+        if data.get("model_id") not in (None, self.model_id):
+            raise ValueError(f"{path} was calibrated on model {data['model_id']}, not on this one ({self.model_id}); "
+                             "calibrate this model (engine.calibrate(save=...))")
         return self._load_sensitivity(curves)
 
     def calibrate(
@@ -698,10 +728,16 @@ class SAMcacheEngine:
             reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans])
             # The order the served plan uses: relevance scores from the reused turn itself.
             with self._sequence(self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0)) as run:
+                if run.metrics.image_kv_hits != len(target.images):  # else every "reused" turn is exact: loss 0
+                    need = sum(s.length for s in target.images) * r.kv_bytes_per_token
+                    raise ValueError(
+                        f"calibration needs the KV of its {len(target.images)} images in the image-KV store "
+                        f"(about {need:,} bytes), but only {run.metrics.image_kv_hits} fit in its "
+                        f"{store.index.capacity_bytes:,} bytes; raise image_kv_cache_bytes or calibrate with smaller images")
                 new_index = np.setdiff1d(np.arange(len(target)), reused)
                 scores = self._relevance(target, new_index, spans, self.pool.block_table(run.seq), run.vit)
             order = plan_recompute(spans, [reused.size], scores, head_fraction=self.head_fraction,
-                                   track2_share=self.track2_share).order
+                                   track2_share=self._track2_share).order
             with self._sequence(self._full_prefill(target)) as ref:
                 exact_k, exact_v = r.gather_kv(self.pool.block_table(ref.seq), order)
 

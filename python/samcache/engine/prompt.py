@@ -98,8 +98,10 @@ def build_prompt(
 def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
     """Chat messages for the template (images replaced by ``{"type": "image"}``) and the image
     objects in order of appearance."""
-    if isinstance(messages, dict) or not isinstance(messages, Sequence):
+    if isinstance(messages, (dict, str)) or not isinstance(messages, Sequence):
         raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if not messages:
+        raise ValueError("messages is empty: a turn needs at least one message")
     rendered, images = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
@@ -108,6 +110,8 @@ def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]
         if isinstance(content, str):
             rendered.append({"role": message["role"], "content": content})
             continue
+        if isinstance(content, dict) or not isinstance(content, Sequence):
+            raise TypeError(f"message {i}: content must be a str or a list of parts, got {type(content).__name__}")
         parts = []
         for part in content:
             if not isinstance(part, dict) or "type" not in part:

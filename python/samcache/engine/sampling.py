@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -9,10 +11,12 @@ class Sampler:
     """``Sampler(temperature, top_p, seed)(logits) -> token id``. temperature 0 is greedy."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, *, seed: int = 0, device: str = "cpu") -> None:
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.generator = torch.Generator(device=device).manual_seed(int(seed))
