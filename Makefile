@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
+.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -79,7 +79,8 @@ demo: install
 # For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages the one
 # build inputs it lacks (xxhash.h, the nvidia-cutlass wheel) in .gpu/ (git-ignored; carry it), then `make gpu` there builds
 # against that machine's torch (no C++ tests: no GoogleTest there), runs every CUDA test and the
-# kernel benchmarks with --device cuda. Results go to $(OUT) when it is set.
+# kernel benchmarks with --device cuda (gpu-kernels), then the engine and gui benchmark on the
+# real 7B configuration (gpu-7b). Results go to $(OUT) when it is set.
 gpu-prep: sysdeps venv
 	mkdir -p .gpu/include && cp /usr/include/xxhash.h .gpu/include/
 	$(PY) -m pip download -q --no-deps -d .gpu nvidia-cutlass==4.2.0.0
@@ -87,19 +88,33 @@ gpu-prep: sysdeps venv
 	$(PY) -m pip download -q -d .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
 
 GPU_PY ?= python3
-gpu:
+GPU_7B ?= /tmp/samcache-qwen2.5-vl-7b
+# One device call each (10 minutes at most a call): `make gpu` = gpu-kernels then gpu-7b.
+gpu: gpu-kernels gpu-7b
+
+gpu-install:
 	$(GPU_PY) -m pip install -q --no-deps .gpu/nvidia_cutlass-*.whl
 	$(GPU_PY) -c "import transformers, tokenizers, safetensors, xxhash" 2>/dev/null || \
 	  $(GPU_PY) -m pip install -q --no-index --find-links .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
 	SAMCACHE_CUDA=on SAMCACHE_XXHASH_INCLUDE=$(CURDIR)/.gpu/include \
 	  $(GPU_PY) -m pip install -q --no-build-isolation --no-deps .
+
+gpu-kernels: gpu-install
 	cd tests && $(GPU_PY) -m pytest -q -m cuda . 2>&1 | tee $${OUT:-/tmp}/gpu-tests.txt
 	for b in paged_kv rope kv_quant token_merge sparse_attention; do \
 	  $(GPU_PY) bench/bench_$$b.py --device cuda 2>&1 | tee $${OUT:-/tmp}/gpu-bench-$$b.txt; done
 	$(GPU_PY) bench/bench_engine.py --device cuda --dtype bfloat16 --reps 5 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-tiny.txt
-	$(GPU_PY) -m samcache bench --scenario gui --device cuda --quiet --out $${OUT:-/tmp}/gpu-gui-tiny 2>&1 | tail -12
-	$(GPU_PY) bench/bench_engine.py --device cuda --preset qwen2.5-vl-7b --dtype bfloat16 --reps 3 --no-calibrate \
+	$(GPU_PY) -m samcache bench --scenario gui --device cuda --modes baseline,prefix,samcache,new-only --quiet \
+	  --out $${OUT:-/tmp}/gpu-gui-tiny 2>&1 | tail -12
+
+# The real Qwen2.5-VL-7B configuration with random bf16 weights, built once (minutes, ~16 GB).
+gpu-7b: gpu-install
+	test -f $(GPU_7B)/config.json || $(GPU_PY) -c "from samcache.models import PRESETS, build_tiny_model; \
+	  build_tiny_model('qwen2_5_vl', '$(GPU_7B)', **PRESETS['qwen2.5-vl-7b'], dtype='bfloat16')"
+	$(GPU_PY) bench/bench_engine.py --device cuda --model $(GPU_7B) --dtype bfloat16 --reps 3 --no-calibrate \
 	  --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
+	$(GPU_PY) -m samcache bench --scenario gui --device cuda --model $(GPU_7B) --turns 12 \
+	  --modes baseline,prefix,samcache,new-only --kv-cache-mib 8192 --quiet --out $${OUT:-/tmp}/gpu-gui-7b 2>&1 | tail -12
 
 clean:
 	rm -rf build .venv
