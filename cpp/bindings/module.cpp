@@ -37,9 +37,10 @@ py::bytes to_bytes(const Key128& k) { return py::bytes(reinterpret_cast<const ch
 // Extra-key spans arrive as bounds int64 [K, 2] and keys bytes of length 16 * K.
 std::vector<ExtraKeySpan> spans_from(const I64Array& bounds, const py::bytes& keys) {
   std::string_view k = keys;
-  const size_t n = bounds.ndim() == 2 ? static_cast<size_t>(bounds.shape(0)) : 0;
-  if (bounds.size() != 0 && (bounds.ndim() != 2 || bounds.shape(1) != 2))
+  // [K, 2] (any K, also 0), or an empty array of another shape meaning no spans; never [K, 0].
+  if (bounds.ndim() == 2 ? bounds.shape(1) != 2 : bounds.size() != 0)
     throw std::invalid_argument("span bounds must have shape [K, 2]");
+  const size_t n = bounds.ndim() == 2 ? static_cast<size_t>(bounds.shape(0)) : 0;
   if (k.size() != n * sizeof(Key128))
     throw std::invalid_argument("need 16 key bytes per span: " + std::to_string(n) + " spans, " +
                                 std::to_string(k.size()) + " bytes");

@@ -41,7 +41,7 @@ void check_cache(const char* op, const at::Tensor& cache, KvQuantPlan& plan) {
   plan.head_dim = cache.size(3);
   // Each block must be dense; the distance between blocks is free (e.g. kv[:, 0] of a [B, 2, ...] cache).
   const int64_t expected[3] = {plan.heads * plan.head_dim, plan.head_dim, 1};
-  for (int d = 1; d < 4; ++d)
+  for (int d = 1; d < 4 && cache.numel() > 0; ++d)  // an empty cache has no layout to check
     TORCH_CHECK_VALUE(cache.size(d) <= 1 || cache.stride(d) == expected[d - 1], op,
                       ": each cache block must be contiguous, got strides ", cache.strides());
   plan.block_stride = cache.stride(0);

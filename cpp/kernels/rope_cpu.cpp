@@ -12,6 +12,8 @@
 
 #include "rope.h"
 
+#include "memory_checks.h"
+
 namespace samcache::kernels {
 
 namespace {
@@ -187,8 +189,8 @@ RopePlan plan_rope_rerotate(const at::Tensor& key, const at::Tensor& delta, cons
                        key.scalar_type() == at::kBFloat16,
                    "rope: key must be float32, float16 or bfloat16, got ", key.scalar_type());
   TORCH_CHECK_VALUE(key.stride(2) == 1 || key.size(2) <= 1, "rope: key's last dimension must be contiguous");
-  TORCH_CHECK_VALUE(at::has_internal_overlap(key) != at::MemOverlap::Yes,
-                    "rope: key has elements sharing memory (e.g. an expanded tensor)");
+  TORCH_CHECK_VALUE(provably_non_overlapping(key),
+                    "rope: key has elements sharing memory (e.g. an expanded or as_strided tensor)");
   plan.num_tokens = key.size(0);
   plan.num_heads = key.size(1);
   plan.head_dim = key.size(2);
@@ -243,9 +245,10 @@ RopePlan plan_rope_rerotate_write(const at::Tensor& key, const at::Tensor& delta
                     "rope: key_cache's last dimension must be contiguous");
   TORCH_CHECK_VALUE(at::has_internal_overlap(key_cache) != at::MemOverlap::Yes,
                     "rope: key_cache has elements sharing memory (e.g. an expanded tensor)");
-  const at::MemOverlapStatus overlap = at::get_overlap_status(key, key_cache);  // TooHard for strided views
-  TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                    "rope: key and key_cache must not share memory");
+  // Any view of the cache as the source (e.g. moving tokens within it) could be overwritten
+  // before it is read: refuse it, whatever its strides; pass a copy instead.
+  TORCH_CHECK_VALUE(!shares_storage(key, key_cache),
+                    "rope: key and key_cache must not share memory (pass a copy of the cached keys)");
   plan.block_size = key_cache.size(1);
   plan.num_slots = key_cache.size(0) * key_cache.size(1);
 

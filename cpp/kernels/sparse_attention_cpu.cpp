@@ -54,9 +54,12 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
   TORCH_CHECK_VALUE(num_kv_tokens >= 1 && num_kv_tokens <= block_table.size(0) * s.block_size,
                     "sparse_attention: num_kv_tokens ", num_kv_tokens, " must be in [1, ",
                     block_table.size(0) * s.block_size, "] (block table length x block size)");
-  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0, "sparse_attention: scale must be finite and > 0, got ", scale);
-  TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0, "sparse_attention: logit_cap must be >= 0, got ",
-                    logit_cap);
+  // The kernels compute in float32: check the values they will see, not the doubles passed in.
+  const float scale_f = static_cast<float>(scale), cap_f = static_cast<float>(logit_cap);
+  TORCH_CHECK_VALUE(std::isfinite(scale_f) && scale_f > 0, "sparse_attention: scale must be finite and > 0 in float32, got ",
+                    scale);
+  TORCH_CHECK_VALUE(logit_cap == 0 || (std::isfinite(cap_f) && cap_f > 0),
+                    "sparse_attention: logit_cap must be 0 (off) or finite and > 0 in float32, got ", logit_cap);
   if (q.device().is_cpu()) {  // device tensors cannot be read without a sync: the kernel guards instead
     const at::Tensor qi = q_index.to(at::kLong).contiguous();  // a strided view must be read as such
     const int64_t* p = qi.data_ptr<int64_t>();

@@ -85,6 +85,8 @@ TokenMergePlan plan_token_merge(const at::Tensor& hidden, const at::Tensor& targ
     float sum = 0.0f;
     for (int64_t j = plan.offsets[r]; j < plan.offsets[r + 1]; ++j) sum += w[plan.members[j]];
     if (sum == 0.0f) raise_token_merge_error(TokenMergeError::kZeroWeightAnchor, plan.kept[r], 0.0, n);
+    TORCH_CHECK_VALUE(std::isfinite(sum), "token_merge: the weights merged into token ", plan.kept[r],
+                      " sum past the float32 range; scale the weights down");
     plan.weight_sums[r] = sum;
   }
   return plan;

@@ -95,8 +95,10 @@ void BlockPool::free_sequence(SeqId id) {
   // Tail blocks first: they get the oldest ticks and are evicted before shared prefixes.
   for (auto it = s.table.rbegin(); it != s.table.rend(); ++it) release(*it);
   s.live = false;
-  // 31-bit generations keep ids positive; an id is recognised until its slot is reused 2^31 times.
-  s.generation = s.generation == 0x7fffffffu ? 1 : s.generation + 1;
+  // 31-bit generations keep ids positive. A slot whose generation is spent is retired, never
+  // reused, so no stale id can ever name a new sequence (one small entry per 2^31 requests).
+  const bool spent = s.generation == 0x7fffffffu;
+  if (!spent) ++s.generation;
   // Keep small buffers for the next sequence in this slot (no malloc per request); give back
   // the memory of long ones.
   auto reset = [](auto& v) {
@@ -105,7 +107,7 @@ void BlockPool::free_sequence(SeqId id) {
   reset(s.table);
   reset(s.tail);
   reset(s.spans);
-  free_seq_slots_.push_back(static_cast<uint32_t>(static_cast<uint64_t>(id) & 0xffffffffu));
+  if (!spent) free_seq_slots_.push_back(static_cast<uint32_t>(static_cast<uint64_t>(id) & 0xffffffffu));
   --live_seqs_;
 }
 
