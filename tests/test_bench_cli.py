@@ -105,6 +105,12 @@ def test_bench_cli_writes_results_and_report(model, tmp_path, capsys):
     assert rc == 0
     assert json.loads((tmp_path / "results.json").read_text())["trace"]["scenario"] == "chat"
     assert (tmp_path / "report.md").exists() and "vs prefix" in capsys.readouterr().out
+    (tmp_path / "report.md").unlink()
+    assert main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.md").exists()  # a run's folder works too
+    rc = main(["bench", "--scenario", "chat", "--turns", "1", "--modes", "prefix", "--model", str(model), "--out",
+               str(tmp_path / "nf"), "--quiet", "--max-new-tokens", "1", "--no-fidelity", *SMALL])
+    assert rc == 0 and "fidelity not measured: --no-fidelity" in capsys.readouterr().out
+    assert "Fidelity was not measured in this run" in (tmp_path / "nf" / "report.md").read_text()
 
 
 def test_repeat_takes_each_turns_median_over_fresh_plays(model):
@@ -155,6 +161,18 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
     assert "--param needs KEY=VALUE" in capsys.readouterr().err
     assert main(["bench", "--scenario", "docs", "--param", "per_turn=9", "--model", str(model)]) == 2
     assert "per_turn (9) cannot exceed pages (6)" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--turns", "2", "--param", "turns=3", "--model", str(model)]) == 2
+    assert "turns is set by --turns; not also by --param" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--param", "size=[56, 56]", "--image-size", "56", "84"]) == 2
+    assert "size is set by --image-size" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--dtype", "int8"]) == 2  # refused before any build
+    err = capsys.readouterr().err
+    assert "--device/--dtype: dtype must be one of" in err and "checkpoint" not in err
+    assert main(["bench", "--scenario", "gui", "--device", "tpu"]) == 2
+    assert "device must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("samcache ")
     assert main(["bench", "--scenario", "gui", "--repeat", "0", "--model", str(model)]) == 2
     assert "--repeat must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -73,6 +73,8 @@ def test_demo_runs(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "median TTFT speedup" in out.stdout and "1 known+1 new" in out.stdout
+    assert "vs prefix + ViT caching (today's engines)" in out.stdout and " sub 2 known+0 new" in out.stdout
+    assert "Loading weights" not in out.stderr  # no progress-bar noise in the walkthrough
 
 
 def test_engine_benchmark_runs(tmp_path):

@@ -155,8 +155,21 @@ def test_bad_chat_arguments_are_clear_errors(path):
         (dict(prompt="x", seed=2**70), ValueError, "seed must be an int"),
         (dict(prompt="x", max_new_tokens=True), ValueError, "max_new_tokens must be an int"),
         (dict(prompt="x", top_p=True), ValueError, "top_p"),
+        (dict(messages=[{"role": "bot", "content": "hi"}]), ValueError, "role must be one of system, user"),
+        (dict(images=[np.zeros((3, 112, 168), np.uint8)], prompt="x"), ValueError, "channels first"),
     ]
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             engine.chat(**kwargs)
+    clean(engine)
+
+
+def test_image_only_turns_and_warnings_that_point_at_the_caller(path, tmp_path):
+    engine = SAMcacheEngine(path, device="cpu", kv_cache_bytes=16 << 20)  # layer-aware, not calibrated
+    engine.chat(images=[screenshot(90, SIZE)], prompt="first", max_new_tokens=1)
+    with pytest.warns(UserWarning, match="no sensitivity curves") as caught:
+        r = engine.chat(images=[screenshot(91, SIZE), screenshot(90, SIZE)], max_new_tokens=1)  # no text at all
+    assert r.metrics.image_kv_hits == 1 and caught[0].filename == __file__
+    with pytest.raises(ValueError, match="sensitivity='.*nope.json': cannot read the curves file"):
+        make_engine(path, sensitivity=tmp_path / "nope.json")
     clean(engine)

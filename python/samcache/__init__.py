@@ -14,7 +14,7 @@ from samcache.content_index import ContentEntry, ContentIndex, Evicted, PutResul
 from samcache.errors import (  # noqa: E402
     CacheFull, ImageLoadError, InvariantViolation, NotFound, OutOfBlocks, PromptTooLong, UnsupportedModel,
 )
-from samcache.hashing import ContentHash, ContentKey, Namespace, hash_bytes, hash_image  # noqa: E402
+from samcache.hashing import ContentHash, ContentKey, Namespace, decode_image_file, hash_bytes, hash_image  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "SAMcacheEngine",
     "Tier",
     "UnsupportedModel",
+    "decode_image_file",
     "hash_bytes",
     "hash_image",
     "ops",

@@ -39,21 +39,22 @@ def _bench(args) -> int:
         print(f"samcache bench: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
     params = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
+    flags = {"turns": args.turns, "window": args.window,
+             "size": tuple(args.image_size) if args.image_size is not None else None}
+    params.update({k: v for k, v in flags.items() if v is not None})
     for item in args.param:
         key, sep, value = item.partition("=")
         if not sep or not key:
             print(f"samcache bench: --param needs KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
+        if key in ("seed", "max_new_tokens") or flags.get(key) is not None:
+            flag = {"size": "--image-size"}.get(key, "--" + key.replace("_", "-"))
+            print(f"samcache bench: {key} is set by {flag}; not also by --param", file=sys.stderr)
+            return 2
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
             params[key] = value
-    if args.turns is not None:
-        params["turns"] = args.turns
-    if args.window is not None:
-        params["window"] = args.window
-    if args.image_size is not None:
-        params["size"] = tuple(args.image_size)
     try:
         trace = make_trace(args.scenario, **params)
     except ValueError as e:
@@ -70,7 +71,19 @@ def _bench(args) -> int:
     if args.fidelity_tokens < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
         print("samcache bench: --fidelity-tokens and --kv-cache-mib must be >= 1", file=sys.stderr)
         return 2
-    if str(args.device).startswith("cuda"):  # before minutes of building a checkpoint for it
+    from samcache.engine.engine import _resolve_device, _resolve_dtype
+
+    try:  # before minutes of building a checkpoint for them
+        device = _resolve_device(args.device)
+        run_dtype = str(_resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    except ValueError as e:
+        print(f"samcache bench: --device/--dtype: {e}", file=sys.stderr)
+        return 2
+    if args.quiet:  # also the bars of building and loading the checkpoint
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+    if str(args.device).startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
@@ -84,8 +97,7 @@ def _bench(args) -> int:
 
             # Real-size presets are built in the run's dtype (bf16 on CUDA): a float32 7B checkpoint
             # is 33 GB of random numbers. The build is deleted after the run unless --keep-model.
-            dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else None)
-            sizes = PRESETS[args.preset] | ({"dtype": dtype} if args.preset != "tiny" and dtype else {})
+            sizes = PRESETS[args.preset] | ({"dtype": run_dtype} if args.preset != "tiny" else {})
             where = tempfile.mkdtemp(prefix="samcache-bench-")
             if not args.keep_model:
                 stack.callback(shutil.rmtree, where, ignore_errors=True)
@@ -111,8 +123,8 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
             progress=not args.quiet, command=command, model_note=note, repeat=args.repeat,
         )
-    except (ValueError, FileNotFoundError) as e:  # bad model, device, dtype, prompt too long, ...
-        print(f"samcache bench: {type(e).__name__}: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, ...
+        print(f"samcache bench: {e}", file=sys.stderr)
         return 2
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
@@ -131,7 +143,8 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
         name = r["name"] + (" (floor)" if r["mode"] == "new-only" else "")
         print(f"{name:<24}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_mean_ms']:>8.1f} ms{ratio:>15}"
               f"{s['computed_tokens']:>10}{kl:>11}{top1:>7}{greedy:>8}")
-    print("(vs prefix: p50 / mean TTFT ratios; fidelity against a full prefill of the same prompt)")
+    print("(vs prefix: p50 / mean TTFT ratios; " + ("fidelity not measured: --no-fidelity)" if args.no_fidelity
+          else "fidelity against a full prefill of the same prompt)"))
     print(f"wrote {out / 'results.json'} and {report}")
     return 0
 
@@ -140,6 +153,8 @@ def _report(args) -> int:
     from samcache.report import write_report
 
     path = pathlib.Path(args.results)
+    if path.is_dir():  # the output folder of a run
+        path = path / "results.json"
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
         report = write_report(results, args.out or path.parent)
@@ -155,19 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     from samcache.models import PRESETS
     from samcache.workloads import SCENARIOS, scenario_parameters
 
+    from samcache import __version__
+
     p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"samcache {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,report}")
     b = sub.add_parser("bench", help="run an agent workload benchmark",
                        description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
-    b.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated, from: " + ", ".join(MODES))
+    b.add_argument("--modes", default="baseline,prefix,samcache",
+                   help="comma-separated (default baseline,prefix,samcache), from: " + ", ".join(MODES))
     b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
     b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])
     b.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="sizes of the built checkpoint: tiny, or real sizes with random weights (GPU)")
     b.add_argument("--keep-model", action="store_true", help="keep the built checkpoint after the run")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
-    b.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
+    b.add_argument("--dtype", default=None,
+                   help="float32 / fp32 (CPU default), bfloat16 / bf16 (CUDA default), float16 / fp16")
     b.add_argument("--turns", type=int, help="gui, docs, chat: turns (default 20, 12, 8)")
     b.add_argument("--window", type=int, help="gui: screenshots kept in the prompt (default 4)")
     b.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"), help="image size (default: real sizes)")
@@ -188,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--command", help=argparse.SUPPRESS)
     b.set_defaults(func=_bench)
     r = sub.add_parser("report", help="rebuild report.md and the plots from results.json")
-    r.add_argument("results")
+    r.add_argument("results", help="a results.json, or the folder of a run that holds one")
     r.add_argument("--out", help="output folder (default: the folder of results.json)")
     r.set_defaults(func=_report)
     return p

@@ -114,9 +114,10 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "- **TTFT** is request start to first token: hashing, image processing, ViT, prefill (the benchmark hands "
         "the engine decoded pixels, so file decoding, the same in every mode, is not in it)"
         + (f"; each turn's TTFT is the median of {meta['repeat']} plays of the whole trace, each with fresh engines"
-           if meta.get("repeat", 1) > 1 else "; one play of the trace") + ". Fidelity is each turn "
-        "against a full prefill of the same prompt: next-token KL (nats), top-1 agreement, and agreement of "
-        f"{meta['fidelity_tokens']} greedy tokens; it is measured outside the timed path.",
+           if meta.get("repeat", 1) > 1 else "; one play of the trace") + ". "
+        + ("Fidelity is each turn against a full prefill of the same prompt: next-token KL (nats), top-1 agreement, "
+           f"and agreement of {meta['fidelity_tokens']} greedy tokens; it is measured outside the timed path."
+           if meta.get("fidelity_tokens") else "Fidelity was not measured in this run (`--no-fidelity`)."),
         "",
         "## Results",
         "",

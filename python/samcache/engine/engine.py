@@ -291,8 +291,9 @@ class SAMcacheEngine:
                                 f"got {type(messages).__name__}")
             history = list(messages)
         else:
-            if prompt is None:
-                raise ValueError("chat needs a prompt (or messages=...)")
+            if prompt is None and not images:
+                raise ValueError("chat needs a prompt or images (or messages=...)")
+            prompt = "" if prompt is None else prompt  # an image-only turn
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
             if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
@@ -579,7 +580,7 @@ class SAMcacheEngine:
         if self.recompute_budget == "layer-aware" and not self._warned_uniform:
             warnings.warn(
                 "no sensitivity curves for this model yet: the recompute budget is uniform across layers "
-                "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3,
+                "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=4,  # the caller of chat
             )
             self._warned_uniform = True
         return LayerBudget(rates=np.full(layers, ratio), expected_loss=float("nan"), mean_rate=ratio)
@@ -681,7 +682,11 @@ class SAMcacheEngine:
             return sensitivity
         path = pathlib.Path(sensitivity)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"sensitivity={str(path)!r}: cannot read the curves file ({e.strerror or e})") from None
+        try:
+            data = json.loads(text)
             curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]))
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None

@@ -43,7 +43,9 @@ def load_rgb(image: Any) -> np.ndarray:
         if image.ndim == 2:
             image = np.repeat(image[:, :, None], 3, axis=2)
         if image.ndim != 3 or image.shape[2] not in (3, 4):
-            raise ImageLoadError(f"image arrays must be HxW, HxWx3 or HxWx4, got shape {image.shape}")
+            hint = (" (channels first? pass HxWxC, e.g. array.transpose(1, 2, 0) or tensor.permute(1, 2, 0))"
+                    if image.ndim == 3 and image.shape[0] in (1, 3, 4) else "")
+            raise ImageLoadError(f"image arrays must be HxW, HxWx3 or HxWx4, got shape {image.shape}{hint}")
         if min(image.shape[:2]) < 1:
             raise ImageLoadError(f"image has no pixels: shape {image.shape}")
         return np.ascontiguousarray(image[:, :, :3])

@@ -95,6 +95,10 @@ def build_prompt(
     )
 
 
+#: The roles Qwen-VL's chat template knows; anything else would be rendered verbatim as a role.
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
     """Chat messages for the template (images replaced by ``{"type": "image"}``) and the image
     objects in order of appearance."""
@@ -106,6 +110,8 @@ def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {message['role']!r}")
         content = message["content"]
         if isinstance(content, str):
             rendered.append({"role": message["role"], "content": content})
