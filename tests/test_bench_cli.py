@@ -127,6 +127,22 @@ def test_repeat_takes_each_turns_median_over_fresh_plays(model):
         run_benchmark(trace, model, modes=["prefix"], repeat=0, progress=False)
 
 
+def test_equal_kv_memory_splits_the_budget_of_the_modes_that_keep_image_kv(model):
+    trace = make_trace("gui", turns=2, window=2, size=(112, 168), max_new_tokens=2)
+    for equal in (False, True):
+        res = run_benchmark(trace, model, modes=["prefix", "samcache", "no-recompute"], kv_cache_bytes=8 << 20,
+                            equal_kv_memory=equal, fidelity=False, calibrate=False, progress=False)
+        mem = {r["name"]: r["kv_memory_bytes"] for r in res["runs"]}
+        total = {name: m["pool"] + m["image_kv_store"] for name, m in mem.items()}
+        assert mem["prefix"]["image_kv_store"] == 0 and total["prefix"] <= 8 << 20
+        if equal:
+            assert total["samcache"] <= 8 << 20 and mem["samcache"]["image_kv_store"] == 4 << 20
+            assert total["no-recompute"] == total["samcache"]
+        else:
+            assert mem["samcache"]["image_kv_store"] == 8 << 20
+        assert res["meta"]["equal_kv_memory"] is equal
+
+
 def test_bench_builds_a_model_when_none_is_given_and_deletes_it(tmp_path, capsys):
     args = ["bench", "--scenario", "chat", "--turns", "1", "--modes", "prefix", "--out", str(tmp_path), "--quiet",
             "--max-new-tokens", "1", "--no-fidelity", *SMALL]

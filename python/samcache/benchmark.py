@@ -151,13 +151,16 @@ def run_benchmark(
     command: str | None = None,
     model_note: str | None = None,
     repeat: int = 1,
+    equal_kv_memory: bool = False,
 ) -> dict[str, Any]:
     """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready).
 
     All engines share one copy of the weights; each has its own KV pool of ``kv_cache_bytes``
     (default 256 MiB on the CPU, 2 GiB on CUDA) and an image-KV store of the same size.
     ``model_note`` describes the checkpoint in the report (e.g. "random weights, built").
-    ``repeat`` > 1 plays the trace that many times, each with fresh engines; every turn's TTFT
+    ``equal_kv_memory=True`` gives the modes that keep image KV half of ``kv_cache_bytes`` for the
+    pool and half for that store, so every mode holds the same KV memory (default: the store is
+    extra). ``repeat`` > 1 plays the trace that many times, each with fresh engines; every turn's TTFT
     and latency are then the median over the repetitions (all of them kept in ``ttft_reps_s``).
     """
     from samcache.engine import SAMcacheEngine
@@ -190,6 +193,8 @@ def run_benchmark(
         engines = []
         for mode, ratio in runs:
             kw = {**base, **MODES[mode].engine_kwargs}
+            if equal_kv_memory and kw.get("image_kv_cache", True) and kw.get("cache_enabled", True):
+                kw["kv_cache_bytes"] = kw["image_kv_cache_bytes"] = kv_cache_bytes // 2
             if ratio is not None:
                 kw["recompute_ratio"] = ratio
             if MODES[mode].layer_aware:
@@ -259,6 +264,9 @@ def run_benchmark(
             "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
             "layer_rates": engine._budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
             "levels": {"prefix": engine.use_prefix, "vit": engine.use_vit_cache, "image_kv": engine.use_image_kv},
+            "kv_memory_bytes": {  # what this mode's engine may hold
+                "pool": engine.pool.num_blocks * engine.pool.block_size * engine.runner.kv_bytes_per_token,
+                "image_kv_store": engine.image_kv_store.index.capacity_bytes if engine.use_image_kv else 0},
             "budget": "layer-aware" if MODES[mode].layer_aware and curves is not None else
                       ("uniform" if MODES[mode].recomputes else "-"),
             "turns": turns,
@@ -276,6 +284,7 @@ def run_benchmark(
         "torch": torch.__version__,
         "dtype": str(shared.dtype).replace("torch.", ""),
         "kv_cache_mib_per_engine": kv_cache_bytes >> 20,
+        "equal_kv_memory": equal_kv_memory,
         "max_new_tokens": max(t.max_new_tokens for t in trace.turns),
         "fidelity_tokens": fidelity_tokens if fidelity else 0,
         "repeat": repeat,

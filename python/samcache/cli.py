@@ -120,7 +120,7 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
         results = run_benchmark(
             trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
             fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
-            kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None,
+            kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, equal_kv_memory=args.equal_kv_memory,
             progress=not args.quiet, command=command, model_note=note, repeat=args.repeat,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, ...
@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
     b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
     b.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per engine (default 256 CPU, 2048 CUDA)")
+    b.add_argument("--equal-kv-memory", action="store_true",
+                   help="modes that keep image KV split --kv-cache-mib between the pool and that store "
+                        "(default: the store is as large again, on top)")
     b.add_argument("--out", help="output folder (default bench/out/SCENARIO)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--command", help=argparse.SUPPRESS)

@@ -104,7 +104,9 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         f"- **Model** `{meta.get('family', '?')}` with {meta.get('parameters', 0):,} parameters"
         + (f" ({meta['model_note']})" if meta.get("model_note") else "") + f", from `{meta['model_path']}`.",
         f"- **Decode** {meta.get('max_new_tokens', '?')} tokens a turn in every mode (end-of-turn tokens ignored, so "
-        f"every mode does the same work); KV pool {meta.get('kv_cache_mib_per_engine', '?')} MiB per engine.",
+        f"every mode does the same work); KV pool {meta.get('kv_cache_mib_per_engine', '?')} MiB per engine"
+        + (" in all: the modes that keep image KV split it between the pool and that store (equal KV memory)."
+           if meta.get("equal_kv_memory") else ", and as much again for the image-KV store of the modes that keep one."),
         f"- **Machine** {meta['device']}, torch {meta['torch']}, {meta['dtype']}; {meta['date']}.",
         "- **Modes** (each its own engine with fresh caches, same checkpoint, same prompts"
         + (" except `new-only`" if "new-only" in results["modes"] else "") + "):",
