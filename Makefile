@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b clean
+.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -107,12 +107,22 @@ gpu-kernels: gpu-install
 	$(GPU_PY) -m samcache bench --scenario gui --device cuda --modes baseline,prefix,samcache,new-only --quiet \
 	  --out $${OUT:-/tmp}/gpu-gui-tiny 2>&1 | tail -12
 
-# The real Qwen2.5-VL-7B configuration with random bf16 weights, built once (minutes, ~16 GB).
-gpu-7b: gpu-install
-	test -f $(GPU_7B)/config.json || $(GPU_PY) -c "from samcache.models import PRESETS, build_tiny_model; \
-	  build_tiny_model('qwen2_5_vl', '$(GPU_7B)', **PRESETS['qwen2.5-vl-7b'], dtype='bfloat16')"
+# The real Qwen2.5-VL-7B configuration with random bf16 weights, built once (minutes, ~16 GB)
+# into a temporary folder and moved into place, so a call killed mid-build leaves nothing that
+# looks finished. Then the engine bench and a 12-turn gui run on it: each its own call if need be.
+$(GPU_7B)/config.json:
+	rm -rf $(GPU_7B).tmp
+	$(GPU_PY) -c "from samcache.models import PRESETS, build_tiny_model; \
+	  build_tiny_model('qwen2_5_vl', '$(GPU_7B).tmp', **PRESETS['qwen2.5-vl-7b'], dtype='bfloat16')"
+	rm -rf $(GPU_7B) && mv $(GPU_7B).tmp $(GPU_7B)
+
+gpu-7b: gpu-7b-engine gpu-7b-gui
+
+gpu-7b-engine: gpu-install $(GPU_7B)/config.json
 	$(GPU_PY) bench/bench_engine.py --device cuda --model $(GPU_7B) --dtype bfloat16 --reps 3 --no-calibrate \
-	  --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
+	  --sweep 0 0.05 1 --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
+
+gpu-7b-gui: gpu-install $(GPU_7B)/config.json
 	$(GPU_PY) -m samcache bench --scenario gui --device cuda --model $(GPU_7B) --turns 12 \
 	  --modes baseline,prefix,samcache,new-only --kv-cache-mib 8192 --quiet --out $${OUT:-/tmp}/gpu-gui-7b 2>&1 | tail -12
 

@@ -120,8 +120,12 @@ def test_repeat_takes_each_turns_median_over_fresh_plays(model):
     for run in res["runs"]:
         for t in run["turns"]:
             assert len(t["ttft_reps_s"]) == 3 and t["ttft_s"] == sorted(t["ttft_reps_s"])[1]
-        # every play starts cold: the work counts are those of a single play
+        # every play starts cold: each did the work of a single play (warm engines would hit caches)
         assert [t["vit_calls"] for t in run["turns"]] == [1, 1]
+        for t in run["turns"]:
+            assert len(t["work_reps"]) == 3 and all(w == t["work_reps"][0] for w in t["work_reps"])
+            assert t["work_reps"][0] == [t["prefilled_tokens"], t["prefix_reused_tokens"], t["image_reused_tokens"],
+                                         t["vit_calls"]]
     assert res["runs"][1]["summary"]["fidelity"] is not None
     with pytest.raises(ValueError, match="repeat must be"):
         run_benchmark(trace, model, modes=["prefix"], repeat=0, progress=False)
@@ -197,7 +201,7 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
     if not torch.cuda.is_available():  # refused before any checkpoint is built for it
         assert main(["bench", "--scenario", "gui", "--device", "cuda", "--preset", "qwen2.5-vl-7b"]) == 2
         err = capsys.readouterr().err
-        assert "torch sees no CUDA GPU" in err and "checkpoint" not in err
+        assert "torch sees no CUDA GPU (torch " in err and "checkpoint" not in err
     assert main(["report", "/nonexistent/results.json"]) == 2
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("")

@@ -161,6 +161,14 @@ def test_bad_chat_arguments_are_clear_errors(path):
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             engine.chat(**kwargs)
+    with pytest.raises(TypeError, match="images must be a list"):
+        engine.chat(images=np.zeros((56, 56, 3), np.uint8))  # one array, not a list of images
+    for bad in (-1, 2**63, True):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            make_engine(path, seed=bad)
+    edge = make_engine(path, seed=2**63 - 1)
+    for _ in range(2):  # the per-turn seed wraps instead of overflowing
+        edge.chat(prompt="x", max_new_tokens=2, temperature=1.0)
     clean(engine)
 
 

@@ -35,6 +35,8 @@ def test_rope_in_place_refuses_self_overlapping_keys_and_accepts_strided_views()
     rope_rerotate(expect, torch.arange(4), torch.tensor([1.0, 0.1]), "neox")
     rope_rerotate(view, torch.arange(4), torch.tensor([1.0, 0.1]), "neox")
     torch.testing.assert_close(view, expect, atol=0, rtol=0)
+    empty = torch.empty(0, 1, 4).expand(0, 3, 4)  # stride 0 but no elements: nothing to share
+    rope_rerotate(empty, torch.zeros(0, dtype=torch.long), torch.ones(2), "neox")
 
 
 def test_paged_write_refuses_aliasing_caches_and_sources():
@@ -48,6 +50,9 @@ def test_paged_write_refuses_aliasing_caches_and_sources():
         with pytest.raises(ValueError, match=f"{name} must not share memory with the caches"):
             paged_write(key, value, kc, vc, slots)
     assert kc.eq(0).all() and vc.eq(0).all()
+    kv = torch.zeros(2, 2, 4, 1, 4)  # vLLM-style [2, blocks, ...]: K and V are disjoint halves of one tensor
+    paged_write(k, v, kv[0], kv[1], slots)
+    assert torch.equal(kv[0].view(-1, 1, 4)[5], k[2]) and torch.equal(kv[1].view(-1, 1, 4)[0], v[0])
     paged_write(k, v, kc, vc, slots)
     assert torch.equal(kc.view(-1, 1, 4)[5], k[2]) and torch.equal(vc.view(-1, 1, 4)[1], v[1])
 

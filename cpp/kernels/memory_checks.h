@@ -6,13 +6,30 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace samcache::kernels {
 
-// True when a and b are views of one storage (any overlap possible): the cheap, strict test.
-inline bool shares_storage(const at::Tensor& a, const at::Tensor& b) {
-  return a.defined() && b.defined() && a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage());
+// True when a and b are views of one storage whose reachable byte ranges intersect: one may
+// then be overwritten through the other. Disjoint parts of one allocation (K and V halves of a
+// [2, blocks, ...] tensor) pass; interleaved views are refused, which errs on the safe side.
+inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || !a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0)
+    return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  auto range = [](const at::Tensor& t) {  // [first, last] byte reachable
+    int64_t lo = t.storage_offset(), hi = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = (t.size(d) - 1) * t.stride(d);
+      (reach < 0 ? lo : hi) += reach;
+    }
+    const int64_t es = static_cast<int64_t>(t.element_size());
+    return std::pair<int64_t, int64_t>{lo * es, hi * es + es - 1};
+  };
+  const auto [a_lo, a_hi] = range(a);
+  const auto [b_lo, b_hi] = range(b);
+  return a_lo <= b_hi && b_lo <= a_hi;
 }
 
 // True when no two elements of t share memory, proven from its strides (each dimension, in
@@ -20,6 +37,7 @@ inline bool shares_storage(const at::Tensor& a, const at::Tensor& b) {
 // ("too hard") on non-dense views such as a slice of a cache; this one decides those too and
 // answers false only for layouts that may overlap.
 inline bool provably_non_overlapping(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dimensions with size > 1
   for (int64_t d = 0; d < t.dim(); ++d)
     if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));

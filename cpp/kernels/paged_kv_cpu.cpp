@@ -80,9 +80,9 @@ PagedWritePlan plan_paged_write(const at::Tensor& key, const at::Tensor& value, 
                     value.size(0));
   // Separate caches, and sources that are not views of them (a write could overwrite a row
   // before it is read): refused whatever the strides; pass copies instead.
-  TORCH_CHECK_VALUE(!shares_storage(key_cache, value_cache), "paged_write: key_cache and value_cache must not share memory");
+  TORCH_CHECK_VALUE(!may_share_memory(key_cache, value_cache), "paged_write: key_cache and value_cache must not share memory");
   for (const at::Tensor* src : {&key, &value})
-    TORCH_CHECK_VALUE(!shares_storage(*src, key_cache) && !shares_storage(*src, value_cache), "paged_write: ",
+    TORCH_CHECK_VALUE(!may_share_memory(*src, key_cache) && !may_share_memory(*src, value_cache), "paged_write: ",
                       src == &key ? "key" : "value", " must not share memory with the caches (pass a copy)");
   plan.num_tokens = key.size(0);
   TORCH_CHECK_VALUE(slot_mapping.defined() && is_index_dtype(slot_mapping), "paged_write: slot_mapping must be int32 or int64, got ",

@@ -247,7 +247,7 @@ RopePlan plan_rope_rerotate_write(const at::Tensor& key, const at::Tensor& delta
                     "rope: key_cache has elements sharing memory (e.g. an expanded tensor)");
   // Any view of the cache as the source (e.g. moving tokens within it) could be overwritten
   // before it is read: refuse it, whatever its strides; pass a copy instead.
-  TORCH_CHECK_VALUE(!shares_storage(key, key_cache),
+  TORCH_CHECK_VALUE(!may_share_memory(key, key_cache),
                     "rope: key and key_cache must not share memory (pass a copy of the cached keys)");
   plan.block_size = key_cache.size(1);
   plan.num_slots = key_cache.size(0) * key_cache.size(1);

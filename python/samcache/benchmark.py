@@ -128,6 +128,11 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
     }
 
 
+def _work(rec: dict) -> list[int]:
+    """What a turn computed and reused: equal across plays of the same trace on cold engines."""
+    return [rec["prefilled_tokens"], rec["prefix_reused_tokens"], rec["image_reused_tokens"], rec["vit_calls"]]
+
+
 def _kv_held(engine, metrics) -> int:
     """KV memory of a turn: the pool blocks in use or cached at the end of the turn plus the
     image-KV store (on CUDA too: the engines of all modes share one device allocator)."""
@@ -248,6 +253,8 @@ def run_benchmark(
                 for rec, rep in zip(first, other):
                     rec.setdefault("ttft_reps_s", [rec["ttft_s"]]).append(rep["ttft_s"])
                     rec.setdefault("latency_reps_s", [rec["latency_s"]]).append(rep["latency_s"])
+                    # the work of every play, kept to show they did the same (cold engines each time)
+                    rec.setdefault("work_reps", [_work(rec)]).append(_work(rep))
         if repeat > 1:
             for turns in per_run:
                 for rec in turns:

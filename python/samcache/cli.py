@@ -73,6 +73,13 @@ def _bench(args) -> int:
         return 2
     from samcache.engine.engine import _resolve_device, _resolve_dtype
 
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"samcache bench: --device {args.device}: torch sees no CUDA GPU "
+                  f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})", file=sys.stderr)
+            return 2
     try:  # before minutes of building a checkpoint for them
         device = _resolve_device(args.device)
         run_dtype = str(_resolve_dtype(args.dtype, device)).removeprefix("torch.")
@@ -83,13 +90,6 @@ def _bench(args) -> int:
         import transformers.utils.logging
 
         transformers.utils.logging.disable_progress_bar()
-    if str(args.device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"samcache bench: --device {args.device}: torch sees no CUDA GPU "
-                  f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})", file=sys.stderr)
-            return 2
     with contextlib.ExitStack() as stack:
         model, note = args.model, "supplied checkpoint"
         if model is None:

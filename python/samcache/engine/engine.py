@@ -193,6 +193,8 @@ class SAMcacheEngine:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
@@ -282,7 +284,8 @@ class SAMcacheEngine:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if fidelity and (isinstance(fidelity_tokens, bool) or not isinstance(fidelity_tokens, int) or fidelity_tokens < 1):
             raise ValueError(f"fidelity_tokens must be an int >= 1, got {fidelity_tokens!r}")
-        sampler = Sampler(temperature, top_p, seed=self.seed + self._turns if seed is None else seed, device="cpu")
+        sampler = Sampler(temperature, top_p, seed=(self.seed + self._turns) % 2**63 if seed is None else seed,
+                          device="cpu")
         if messages is not None:
             if images is not None or prompt is not None or session is not None:
                 raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
@@ -291,13 +294,13 @@ class SAMcacheEngine:
                                 f"got {type(messages).__name__}")
             history = list(messages)
         else:
+            if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
+                raise TypeError(f"images must be a list of images (paths, PIL images, arrays), got {type(images).__name__}")
             if prompt is None and not images:
                 raise ValueError("chat needs a prompt or images (or messages=...)")
             prompt = "" if prompt is None else prompt  # an image-only turn
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-            if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
-                raise TypeError(f"images must be a list of images (paths, PIL images, arrays), got {type(images).__name__}")
             turn = user_message(list(images or []), prompt)
             history = (list(session.messages) if session is not None else []) + [turn]
         if tenant is None:
