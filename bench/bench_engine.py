@@ -81,7 +81,7 @@ def run(args) -> dict:
     from samcache.hashing import Namespace
 
     prompt = sam.build_prompt(msgs)
-    ref = sam._full_prefill(prompt)
+    ref = sam._full_prefill(prompt, Namespace(sam.model_id))
     sam.pool.free_sequence(ref.seq)
     sweep = {}
     for ratio in args.sweep:

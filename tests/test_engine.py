@@ -47,7 +47,7 @@ def messages(system, images, question):
 
 
 def full(engine, prompt):
-    ref = engine._full_prefill(prompt)
+    ref = engine._full_prefill(prompt, Namespace(engine.model_id))
     engine.pool.free_sequence(ref.seq)
     return ref.logits
 
@@ -154,7 +154,7 @@ def test_rerotated_kv_at_a_new_position_equals_the_first_layer_of_a_full_prefill
     prompt = engine.build_prompt(messages("A much longer system prompt that moves every image.", images[::-1], "Q?"))
     ns = Namespace(engine.model_id)
     pre = engine.prefill(prompt, ns)
-    ref = engine._full_prefill(prompt)
+    ref = engine._full_prefill(prompt, Namespace(engine.model_id))
     r = engine.runner
     moved = [s for s in prompt.images]
     assert pre.metrics.image_reused_tokens == sum(s.length for s in moved)

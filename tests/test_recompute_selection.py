@@ -129,3 +129,16 @@ def test_plan_recompute_shares_the_order_between_tracks():
     plan = plan_recompute(spans, [10], scores, head_fraction=0.1, track2_share=0.5)
     assert plan.order[:2].tolist() == [0, 50]  # the first token of every span comes first
     assert plan.order[2:8].tolist() == [1, 30, 51, 31, 2, 80]  # then heads and relevance, half and half
+
+
+def test_heads_track_alone_stops_at_the_span_heads():
+    spans = [ReusedSpan(10, 40), ReusedSpan(100, 25)]
+    scores = np.random.default_rng(3).random(200)
+    plan = plan_recompute(spans, [20, 12, 2], scores, head_fraction=0.1, track2_share=0.5, tracks="heads")
+    heads = {10 + k for k in range(4)} | {100 + k for k in range(3)}
+    assert plan.quota == (7, 7, 2)  # 4 + 3 span heads at most
+    assert set(plan.positions(0).tolist()) == heads and set(plan.order[:7].tolist()) == heads
+    rest = [p for p in range(10, 50) if p not in heads] + [p for p in range(100, 125) if p not in heads]
+    assert plan.order[7:].tolist() == sorted(rest, key=lambda p: -scores[p])  # share ignored: track 2 after
+    with pytest.raises(ValueError, match="tracks must be"):
+        plan_recompute(spans, [1], tracks="track2")

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from samcache._checks import check_int
 from samcache.engine.prompt import user_message
 from samcache.engine.synthetic import screenshot
 from samcache.workloads import Trace
@@ -172,8 +173,7 @@ def run_benchmark(
 
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    check_int("repeat", repeat, 1)
     if kv_cache_bytes is None:
         kv_cache_bytes = (2 << 30) if str(device).startswith("cuda") else (256 << 20)
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}

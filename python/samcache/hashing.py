@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from samcache.errors import ImageLoadError
+
 DIGEST_SIZE = 16
 _IMAGE_DOMAIN = b"samcache/image/v1\0"
 _BYTES_DOMAIN = b"samcache/bytes/v1\0"
@@ -129,7 +131,7 @@ def _canonical(preprocess: Mapping[str, Any] | None) -> bytes:
 def decode_image_file(path: str | os.PathLike):
     """A PIL image decoded from ``path`` as model pipelines decode it (transformers' load_image):
     EXIF orientation applied, so a rotated photo never shares a hash with its unrotated pixels.
-    Unreadable files raise ``ValueError`` naming the path."""
+    Unreadable files raise ``ImageLoadError`` (a ``ValueError``) naming the path."""
     from PIL import Image, ImageOps
 
     try:
@@ -137,7 +139,7 @@ def decode_image_file(path: str | os.PathLike):
             img.load()
             return ImageOps.exif_transpose(img)
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"cannot read image {os.fspath(path)!r}: {e}") from e
+        raise ImageLoadError(f"cannot read image {os.fspath(path)!r}: {e}") from e
 
 
 def _pixels(image: Any) -> tuple[np.ndarray, str]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from samcache._checks import check_int
 from samcache.engine.prompt import user_message
 from samcache.engine.synthetic import document_page, screenshot
 
@@ -127,16 +128,10 @@ def _words(rng: np.random.Generator, n: int) -> str:
     return " ".join(vocab[int(i)] for i in rng.integers(0, len(vocab), n))
 
 
-def _check(name: str, value: int, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
 def _common(size, max_new_tokens: int, seed: int) -> tuple[int, int]:
     """Checks shared by every scenario; returns the size as a tuple."""
-    _check("max_new_tokens", max_new_tokens, 1)
-    _check("seed", seed, 0)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("seed", seed, 0)
     size = tuple(size)
     if len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 28 for v in size):
         raise ValueError(f"size must be (height, width), each an int >= 28 pixels, got {size!r}")
@@ -147,7 +142,7 @@ def _common(size, max_new_tokens: int, seed: int) -> tuple[int, int]:
 
 def gui(*, seed: int = 0, turns: int = 20, window: int = 4, size: tuple[int, int] = (720, 1280),
         max_new_tokens: int = 8) -> Trace:
-    _check("turns", turns, 1), _check("window", window, 1)
+    check_int("turns", turns, 1), check_int("window", window, 1)
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     goal = f"file the expense report for {_words(rng, 2)}"
@@ -169,7 +164,7 @@ def gui(*, seed: int = 0, turns: int = 20, window: int = 4, size: tuple[int, int
 
 def docs(*, seed: int = 0, turns: int = 12, pages: int = 6, per_turn: int = 3, size: tuple[int, int] = (1100, 850),
          max_new_tokens: int = 8) -> Trace:
-    _check("turns", turns, 1), _check("pages", pages, 1), _check("per_turn", per_turn, 1)
+    check_int("turns", turns, 1), check_int("pages", pages, 1), check_int("per_turn", per_turn, 1)
     if per_turn > pages:
         raise ValueError(f"per_turn ({per_turn}) cannot exceed pages ({pages})")
     size = _common(size, max_new_tokens, seed)
@@ -189,7 +184,7 @@ def docs(*, seed: int = 0, turns: int = 12, pages: int = 6, per_turn: int = 3, s
 
 def branch(*, seed: int = 0, branches: int = 3, images: int = 3, continue_turns: int = 3,
            size: tuple[int, int] = (720, 1280), max_new_tokens: int = 8) -> Trace:
-    _check("branches", branches, 1), _check("images", images, 1), _check("continue_turns", continue_turns, 0)
+    check_int("branches", branches, 1), check_int("images", images, 1), check_int("continue_turns", continue_turns, 0)
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     refs = [ImageRef("screenshot", seed * 100_003 + i, tuple(size)) for i in range(images)]
@@ -215,7 +210,7 @@ def branch(*, seed: int = 0, branches: int = 3, images: int = 3, continue_turns:
 
 
 def chat(*, seed: int = 0, turns: int = 8, size: tuple[int, int] = (720, 1280), max_new_tokens: int = 8) -> Trace:
-    _check("turns", turns, 1)
+    check_int("turns", turns, 1)
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
     ref = ImageRef("screenshot", seed * 100_003, tuple(size))

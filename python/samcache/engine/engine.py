@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from samcache import ops
+from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
 from samcache.block_pool import BlockPool
 from samcache.engine.family import detect_family
 from samcache.engine.images import ImageGeometry, prepare_image, preprocess_params
@@ -43,6 +44,7 @@ from samcache.recompute import (
     plan_recompute,
     probe_layer_sensitivity,
     solve_layer_budget,
+    span_positions,
 )
 
 _LOWEST = -(2**31)
@@ -181,29 +183,24 @@ class SAMcacheEngine:
                 "compression_enabled=True needs the router-logit visual-token compression policy, "
                 "which this version does not have yet; use compression_enabled=False"
             )
-        if not (isinstance(recompute_ratio, (int, float)) and 0.0 <= recompute_ratio <= 1.0):
-            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
-        for name, value in (("head_fraction", head_fraction), ("track2_share", track2_share)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        for name, value in (("recompute_ratio", recompute_ratio), ("head_fraction", head_fraction),
+                            ("track2_share", track2_share)):
+            check_fraction(name, value)
         for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
                                       ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
                                       ("image_kv_cache_bytes", image_kv_cache_bytes, True)):
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+            if value is not None or not optional:
+                check_int(name, value, 1)
+        check_seed(seed)
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
         self.model_path = pathlib.Path(model_path)
         self.family = detect_family(self.model_path)
-        self._fingerprint = model_fingerprint(self.model_path)
-        if share_weights_with is not None and (self._fingerprint.rsplit(":", 1)[1]
-                                               != share_weights_with._fingerprint.rsplit(":", 1)[1]):
+        fingerprint = model_fingerprint(self.model_path)
+        self._weights_digest = fingerprint.rsplit(":", 1)[1]  # without the folder name
+        if share_weights_with is not None and self._weights_digest != share_weights_with._weights_digest:
             raise ValueError(f"share_weights_with holds the weights of {share_weights_with.model_path}, "
                              f"not those of {self.model_path}")
         self.device = _resolve_device(device)
@@ -227,7 +224,7 @@ class SAMcacheEngine:
         eos = getattr(self.runner.model.generation_config, "eos_token_id", None) or cfg.text_config.eos_token_id
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
-        self.model_id = model_id or self._fingerprint
+        self.model_id = model_id or fingerprint
         self.tenant = tenant
         self.use_prefix = cache_enabled and prefix_cache
         self.use_vit_cache = cache_enabled and vit_cache
@@ -280,19 +277,14 @@ class SAMcacheEngine:
         ``max_new_tokens`` (benchmarks: the same work in every mode).
         """
         start = time.perf_counter()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if fidelity and (isinstance(fidelity_tokens, bool) or not isinstance(fidelity_tokens, int) or fidelity_tokens < 1):
-            raise ValueError(f"fidelity_tokens must be an int >= 1, got {fidelity_tokens!r}")
-        sampler = Sampler(temperature, top_p, seed=(self.seed + self._turns) % 2**63 if seed is None else seed,
-                          device="cpu")
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if fidelity:
+            check_int("fidelity_tokens", fidelity_tokens, 1)
+        sampler = Sampler(temperature, top_p, seed=(self.seed + self._turns) % SEED_LIMIT if seed is None else seed)
         if messages is not None:
             if images is not None or prompt is not None or session is not None:
                 raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
-            if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
-                raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
-                                f"got {type(messages).__name__}")
-            history = list(messages)
+            history = messages  # checked by build_prompt; no session to extend
         else:
             if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
                 raise TypeError(f"images must be a list of images (paths, PIL images, arrays), got {type(images).__name__}")
@@ -442,24 +434,23 @@ class SAMcacheEngine:
             if kv_override is not None:
                 kv_override(table)
 
-            # 3. Embeddings of the new tokens (ViT for new images), then the recompute plan.
-            vit: dict[int, tuple] = {}
-            self._ensure_vit(prompt, [i for i, s in enumerate(prompt.images) if is_new[s.start:s.end].any()], vit, m,
-                             vit_ns, store_vit)
+            # 3. The budget, one ViT call (new images, and reused ones when some of their tokens
+            # are recomputed), then the recompute plan.
             quota = []
             if m.image_reused_tokens:
                 budget = self._budget(ratio)
                 quota = [min(q, m.image_reused_tokens) for q in budget.tokens_per_layer(m.image_reused_tokens)]
+            recompute = bool(quota) and quota[0] > 0
+            vit: dict[int, tuple] = {}
+            fresh = [i for i, s in enumerate(prompt.images) if is_new[s.start:s.end].any()]
+            self._ensure_vit(prompt, fresh + (reused if recompute else []), vit, m, vit_ns, store_vit)
             layer_sets: list[np.ndarray] = []
-            if quota and self.recompute_tracks == "heads":  # track 1 alone: never past the span heads
-                heads = sum(math.ceil(self.head_fraction * s.length) for s in spans)
-                quota = [min(q, heads) for q in quota]
-            if quota and quota[0] > 0:
+            if recompute:
                 scores = self._relevance(prompt, new_index, spans, table, vit) if self.recompute_tracks == "both" else None
                 plan = plan_recompute(spans, quota, scores, head_fraction=self.head_fraction,
-                                      track2_share=self._track2_share)
+                                      track2_share=self.track2_share, tracks=self.recompute_tracks)
+                quota = list(plan.quota)  # "heads" stops at the span heads
                 layer_sets = [plan.positions(layer) for layer in range(self.runner.num_layers)]
-                self._ensure_vit(prompt, reused, vit, m, vit_ns, store_vit)
             m.recompute_rates = [q / m.image_reused_tokens for q in quota] if quota else [0.0] * self.runner.num_layers
             index = np.union1d(new_index, layer_sets[0]) if layer_sets else new_index
             m.recomputed_tokens = int(index.size - new_index.size)
@@ -478,10 +469,6 @@ class SAMcacheEngine:
             self._discard(seq, table_from=adopted // bs, hashed=register)
             raise
         return _Prefilled(seq=seq, prompt=prompt, logits=logits, metrics=m, vit=vit)
-
-    @property
-    def _track2_share(self) -> float:
-        return self.track2_share if self.recompute_tracks == "both" else 0.0  # "heads": track 1 alone
 
     def _kv_check(self, span) -> tuple:
         return (span.image.grid, span.length, self.runner.num_layers)
@@ -518,22 +505,29 @@ class SAMcacheEngine:
                 # tenant (through its TTFT and metrics) that another has sent this image.
                 self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
 
+    def _image_rows(self, prompt: Prompt, index: np.ndarray):
+        """For each image with tokens among the (sorted) rows ``index``: (image, lo, hi, offsets),
+        rows [lo, hi) being its tokens at ``offsets`` within the image (on the model's device)."""
+        for i, span in enumerate(prompt.images):
+            lo, hi = np.searchsorted(index, [span.start, span.end])
+            if hi > lo:
+                yield i, lo, hi, torch.from_numpy(index[lo:hi] - span.start).to(self.runner.device)
+
     def _embeds(self, prompt: Prompt, index: np.ndarray, vit: dict) -> torch.Tensor:
         r = self.runner
         ids = torch.from_numpy(prompt.token_ids[index].astype(np.int64))
         out = r.embed_tokens(ids).to(r.dtype)
-        for i, span in enumerate(prompt.images):
-            lo, hi = np.searchsorted(index, [span.start, span.end])
-            if hi > lo:
-                out[lo:hi] = vit[i][0][torch.from_numpy(index[lo:hi] - span.start).to(r.device)]
+        for i, lo, hi, offsets in self._image_rows(prompt, index):
+            out[lo:hi] = vit[i][0][offsets]
         return out
 
     def _batch(self, prompt: Prompt, index: np.ndarray, table: np.ndarray, vit: dict) -> ForwardBatch:
         r = self.runner
+        rows_index = torch.from_numpy(index.astype(np.int64))
         batch = ForwardBatch(
-            index=torch.from_numpy(index.astype(np.int64)),
+            index=rows_index,
             embeds=self._embeds(prompt, index, vit),
-            positions=prompt.positions[:, torch.from_numpy(index.astype(np.int64))],
+            positions=prompt.positions[:, rows_index],
             slots=torch.from_numpy(r.slots_for(table, index)),
             block_table=torch.from_numpy(table),
             num_kv_tokens=len(prompt),
@@ -542,13 +536,9 @@ class SAMcacheEngine:
             rows = torch.full((index.size,), -1, dtype=torch.int64)
             feats: list[list[torch.Tensor]] = [[] for _ in range(r.deepstack_layers)]
             count = 0
-            for i, span in enumerate(prompt.images):
-                lo, hi = np.searchsorted(index, [span.start, span.end])
-                if hi <= lo:
-                    continue
+            for i, lo, hi, offsets in self._image_rows(prompt, index):
                 rows[lo:hi] = torch.arange(count, count + hi - lo)
                 count += hi - lo
-                offsets = torch.from_numpy(index[lo:hi] - span.start).to(r.device)
                 for layer, f in enumerate(vit[i][1]):
                     feats[layer].append(f[offsets])
             if count:
@@ -565,7 +555,7 @@ class SAMcacheEngine:
         queries = new_index[-_RELEVANCE_QUERIES:]
         if not queries.size or not spans:
             return scores
-        reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans])
+        reused = span_positions(spans)
         q = r.layer0_queries(self._embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
         keys = r.layer_keys(0, table, reused)
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
@@ -669,9 +659,10 @@ class SAMcacheEngine:
         agree, prefix, count = greedy_agreement(theirs, mine)
         return Fidelity(kl=kl, top1_agree=top1, greedy_agree=agree, greedy_match_prefix=prefix, greedy_tokens=count)
 
-    def _full_prefill(self, prompt: Prompt, vit_namespace: Namespace | None = None) -> _Prefilled:
+    def _full_prefill(self, prompt: Prompt, vit_namespace: Namespace) -> _Prefilled:
         """The reference: every token computed, nothing reused (ViT outputs may come from the
-        cache of ``vit_namespace``: they do not depend on the context). Not registered in any cache."""
+        cache of ``vit_namespace``, the caller's: they do not depend on the context). Not
+        registered in any cache."""
         return self.prefill(prompt, Namespace(self.model_id, "samcache/reference"), use_prefix=False,
                             use_image_kv=False, register=False, recompute_ratio=0.0, vit_namespace=vit_namespace,
                             store_vit=False)
@@ -733,7 +724,7 @@ class SAMcacheEngine:
             with self._sequence(self.prefill(prime, ns, use_prefix=False, register=False, recompute_ratio=0.0)) as pre:
                 self._register(pre, ns)
             spans = [ReusedSpan(s.start, s.length) for s in target.images]
-            reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans])
+            reused = span_positions(spans)
             # The order the served plan uses: relevance scores from the reused turn itself.
             with self._sequence(self.prefill(target, ns, use_prefix=False, register=False, recompute_ratio=0.0)) as run:
                 if run.metrics.image_kv_hits != len(target.images):  # else every "reused" turn is exact: loss 0
@@ -745,8 +736,8 @@ class SAMcacheEngine:
                 new_index = np.setdiff1d(np.arange(len(target)), reused)
                 scores = self._relevance(target, new_index, spans, self.pool.block_table(run.seq), run.vit)
             order = plan_recompute(spans, [reused.size], scores, head_fraction=self.head_fraction,
-                                   track2_share=self._track2_share).order
-            with self._sequence(self._full_prefill(target)) as ref:
+                                   track2_share=self.track2_share, tracks=self.recompute_tracks).order
+            with self._sequence(self._full_prefill(target, ns)) as ref:
                 exact_k, exact_v = r.gather_kv(self.pool.block_table(ref.seq), order)
 
             def measure(layer: int, rate: float) -> float:

@@ -25,11 +25,7 @@ def load_rgb(image: Any) -> np.ndarray:
     from PIL import Image
 
     if isinstance(image, (str, os.PathLike)):
-        try:
-            decoded = decode_image_file(image)
-        except ValueError as e:
-            raise ImageLoadError(str(e)) from e
-        return load_rgb(decoded)
+        return load_rgb(decode_image_file(image))
     if isinstance(image, Image.Image):
         try:
             return np.ascontiguousarray(np.asarray(image.convert("RGB")))

@@ -102,8 +102,8 @@ ROLES = ("system", "user", "assistant", "tool")
 def normalize_messages(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
     """Chat messages for the template (images replaced by ``{"type": "image"}``) and the image
     objects in order of appearance."""
-    if isinstance(messages, (dict, str)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if isinstance(messages, (dict, str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty: a turn needs at least one message")
     rendered, images = [], []

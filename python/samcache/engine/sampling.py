@@ -6,20 +6,21 @@ import math
 
 import torch
 
+from samcache._checks import check_seed
+
 
 class Sampler:
     """``Sampler(temperature, top_p, seed)(logits) -> token id``. temperature 0 is greedy."""
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, *, seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, *, seed: int = 0) -> None:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        check_seed(seed)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
-        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+        self.generator = torch.Generator().manual_seed(int(seed))  # sampling runs on the CPU (see __call__)
 
     def __call__(self, logits: torch.Tensor) -> int:
         if self.temperature == 0.0:

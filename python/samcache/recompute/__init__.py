@@ -13,6 +13,7 @@ from samcache.recompute.selection import (
     attention_relevance,
     key_deviation,
     plan_recompute,
+    span_positions,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "attention_relevance",
     "key_deviation",
     "plan_recompute",
+    "span_positions",
     "SensitivityCurves",
     "probe_layer_sensitivity",
     "solve_layer_budget",

@@ -71,6 +71,7 @@ def plan_recompute(
     *,
     head_fraction: float = 0.1,
     track2_share: float = 0.0,
+    tracks: str = "both",
 ) -> RecomputePlan:
     """The priority order and per-layer quotas (e.g. ``LayerBudget.tokens_per_layer(n)``).
 
@@ -79,13 +80,17 @@ def plan_recompute(
     ``track2_share``: after the first token of every span, the fraction of the order given to
     track 2 while both tracks have tokens left (0: all of track 1 first). With a 5% budget and
     10% heads, a share of 0.5 lets both tracks spend the budget.
+    ``tracks="heads"``: track 1 alone; the quotas stop at the span heads (the returned
+    ``plan.quota`` says how many each layer recomputes) and track 2 only orders what is left.
     """
+    if tracks not in ("both", "heads"):
+        raise ValueError(f"tracks must be 'both' or 'heads', got {tracks!r}")
     spans = _check_spans(spans)
     if not 0.0 <= head_fraction <= 1.0:
         raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
     if not 0.0 <= track2_share <= 1.0:
         raise ValueError(f"track2_share must be in [0, 1], got {track2_share}")
-    reused = np.concatenate([np.arange(s.start, s.start + s.length) for s in spans]) if spans else np.zeros(0, np.int64)
+    reused = span_positions(spans)
     quota = [int(q) for q in quota]
     if any(q < 0 for q in quota) or any(b > a for a, b in zip(quota, quota[1:])):
         raise ValueError(f"quotas must be >= 0 and non-increasing with depth, got {quota}")
@@ -102,9 +107,16 @@ def plan_recompute(
         if not np.all(np.isfinite(scores[reused])):
             raise ValueError("scores of reused positions must be finite")
         rest = rest[np.argsort(-scores[rest], kind="stable")]
+    if tracks == "heads":
+        quota, track2_share = [min(q, track1.size) for q in quota], 0.0
     boundary = min(len(spans), track1.size) if head_fraction > 0 else 0  # offset 0 of each span
     order = np.concatenate([track1[:boundary], _interleave(track1[boundary:], rest, track2_share)])
     return RecomputePlan(order=order, quota=tuple(quota))
+
+
+def span_positions(spans: Sequence[ReusedSpan]) -> np.ndarray:
+    """Every position the spans cover, span by span (int64)."""
+    return np.concatenate([np.arange(s.start, s.start + s.length) for s in spans]) if spans else np.zeros(0, np.int64)
 
 
 def _interleave(track1: np.ndarray, track2: np.ndarray, share: float) -> np.ndarray:
