@@ -112,8 +112,8 @@ gpu-kernels: gpu-install
 # looks finished. Then the engine bench and a 12-turn gui run on it: each its own call if need be.
 $(GPU_7B)/config.json:
 	rm -rf $(GPU_7B).tmp
-	$(GPU_PY) -c "from samcache.models import PRESETS, build_tiny_model; \
-	  build_tiny_model('qwen2_5_vl', '$(GPU_7B).tmp', **PRESETS['qwen2.5-vl-7b'], dtype='bfloat16')"
+	$(GPU_PY) -c "from samcache.models import build_preset; \
+	  build_preset('qwen2_5_vl', 'qwen2.5-vl-7b', '$(GPU_7B).tmp', dtype='bfloat16')"
 	rm -rf $(GPU_7B) && mv $(GPU_7B).tmp $(GPU_7B)
 
 gpu-7b: gpu-7b-engine gpu-7b-gui

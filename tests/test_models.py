@@ -275,3 +275,13 @@ def test_cli_builds_and_describes(tmp_path, capsys):
     assert (tmp_path / "m" / "model.safetensors").exists()
     assert main(["qwen2_5_vl", str(tmp_path / "x"), "--set", "bogus=1"]) == 2
     assert "unknown override 'bogus'" in capsys.readouterr().err
+
+
+def test_build_preset_builds_the_tiny_sizes_and_refuses_unknown_presets(tmp_path):
+    from samcache.models import build_preset, describe
+
+    path = build_preset("qwen2_5_vl", "tiny", tmp_path / "t", dtype="bfloat16")  # tiny stays float32
+    assert describe(path)["params"] == describe(build_tiny_model("qwen2_5_vl", tmp_path / "u"))["params"]
+    assert '"float32"' in (path / "config.json").read_text()
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        build_preset("qwen2_5_vl", "huge", tmp_path / "h")

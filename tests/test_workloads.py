@@ -53,6 +53,8 @@ def test_new_content_keeps_only_first_seen_images_and_the_last_text():
         first_seen |= set(turn.images())
     with pytest.raises(ValueError, match="outside"):
         d.new_content(6)
+    for trace in (gui, br, d):  # the one-pass list is the same as turn by turn
+        assert trace.new_contents() == [trace.new_content(t) for t in range(len(trace.turns))]
 
 
 def test_gui_defaults_to_a_window_of_four():

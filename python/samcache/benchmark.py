@@ -28,7 +28,6 @@ import gc
 import platform
 import statistics
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,6 @@ import numpy as np
 import torch
 
 from samcache._checks import check_int
-from samcache.engine.prompt import user_message
-from samcache.engine.synthetic import screenshot
 from samcache.workloads import Trace
 
 
@@ -207,22 +204,19 @@ def run_benchmark(
                 if curves is None:
                     kw["recompute_budget"] = "uniform"
             engine = SAMcacheEngine(model_path, **kw)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                # First-call costs (image path included) out of the timed turns; its own system prompt,
-                # so no trace prompt gets a prefix hit from it.
-                engine.chat(messages=[{"role": "system", "content": "samcache warm-up"},
-                                      user_message([screenshot(987_654_321, (56, 56))], "warm-up")], max_new_tokens=2)
+            engine.warm_up()
             engines.append(engine)
         return engines
+
+    # Every turn's messages (and its new content alone, for the floor), drawn once for all plays.
+    floors = trace.new_contents() if any(MODES[m].new_content_only for m, _ in runs) else trace.turns
+    prompts = [(turn.resolved(), floor.resolved()) for turn, floor in zip(trace.turns, floors)]
 
     def play(engines: list, measure_fidelity: bool) -> list[list[dict]]:
         per_run: list[list[dict]] = [[] for _ in runs]
         # Turn by turn, every run in turn, starting one run later each turn: slow drifts of a shared
         # machine and the cache state left by the previous run hit every mode alike.
-        for t, turn in enumerate(trace.turns):
-            messages = turn.resolved()
-            floor = trace.new_content(t).resolved() if any(MODES[m].new_content_only for m, _ in runs) else None
+        for t, (turn, (messages, floor)) in enumerate(zip(trace.turns, prompts)):
             for i in [(t + k) % len(runs) for k in range(len(runs))]:
                 (mode, _), engine = runs[i], engines[i]
                 cut = MODES[mode].new_content_only  # another prompt: fidelity against the turn means nothing
@@ -274,8 +268,7 @@ def run_benchmark(
             "kv_memory_bytes": {  # what this mode's engine may hold
                 "pool": engine.pool.num_blocks * engine.pool.block_size * engine.runner.kv_bytes_per_token,
                 "image_kv_store": engine.image_kv_store.index.capacity_bytes if engine.use_image_kv else 0},
-            "budget": "layer-aware" if MODES[mode].layer_aware and curves is not None else
-                      ("uniform" if MODES[mode].recomputes else "-"),
+            "budget": engine.recompute_budget if MODES[mode].recomputes else "-",
             "turns": turns,
             "summary": summarize(turns),
         })

@@ -19,11 +19,9 @@ import tempfile
 
 
 def _bench(args) -> int:
-    from samcache.benchmark import parse_modes, parse_ratios
-    from samcache.models import PRESETS
+    from samcache.benchmark import MODES, parse_modes, parse_ratios
     from samcache.workloads import make_trace
 
-    from samcache.benchmark import MODES
 
     try:
         modes = parse_modes(args.modes)
@@ -73,13 +71,6 @@ def _bench(args) -> int:
         return 2
     from samcache.engine.engine import _resolve_device, _resolve_dtype
 
-    if str(args.device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"samcache bench: --device {args.device}: torch sees no CUDA GPU "
-                  f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})", file=sys.stderr)
-            return 2
     try:  # before minutes of building a checkpoint for them
         device = _resolve_device(args.device)
         run_dtype = str(_resolve_dtype(args.dtype, device)).removeprefix("torch.")
@@ -93,15 +84,13 @@ def _bench(args) -> int:
     with contextlib.ExitStack() as stack:
         model, note = args.model, "supplied checkpoint"
         if model is None:
-            from samcache.models import build_tiny_model
+            from samcache.models import build_preset
 
-            # Real-size presets are built in the run's dtype (bf16 on CUDA): a float32 7B checkpoint
-            # is 33 GB of random numbers. The build is deleted after the run unless --keep-model.
-            sizes = PRESETS[args.preset] | ({"dtype": run_dtype} if args.preset != "tiny" else {})
+            # Built in the run's dtype (bf16 on CUDA); deleted after the run unless --keep-model.
             where = tempfile.mkdtemp(prefix="samcache-bench-")
             if not args.keep_model:
                 stack.callback(shutil.rmtree, where, ignore_errors=True)
-            model = build_tiny_model(args.family, pathlib.Path(where) / args.family, **sizes)
+            model = build_preset(args.family, args.preset, pathlib.Path(where) / args.family, dtype=run_dtype)
             print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}"
                   + ("" if args.keep_model else " (deleted after the run; --keep-model keeps it)"), file=sys.stderr)
             note = f"random weights, built by samcache.models ({args.preset} sizes)"
@@ -113,7 +102,7 @@ def _bench(args) -> int:
 
 def _run(args, trace, model, note, modes, ratios, out) -> int:
     from samcache.benchmark import run_benchmark
-    from samcache.report import write_report
+    from samcache.report import fidelity_cells, ratio_cell, write_report
 
     command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
     try:
@@ -133,13 +122,8 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
           f"{'top-1':>7}{'greedy':>8}")
     for r in results["runs"]:
         s = r["summary"]
-        ratio = "-"
-        if prefix:
-            p = prefix["summary"]
-            ratio = f"{p['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}x/{p['ttft_mean_ms'] / s['ttft_mean_ms']:.2f}x"
-        f = s["fidelity"]
-        kl = f"{f['kl_median']:.2e}" if f else ("exact" if r["mode"] == "baseline" else "n/a")
-        top1, greedy = (f"{f['top1_agree']:.0%}", f"{f['greedy_agree']:.0%}") if f else ("-", "-")
+        ratio = ratio_cell(prefix["summary"], s, times="x").replace(" ", "") if prefix else "-"
+        kl, top1, greedy = fidelity_cells(s["fidelity"], r["mode"], short=True)
         name = r["name"] + (" (floor)" if r["mode"] == "new-only" else "")
         print(f"{name:<24}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_mean_ms']:>8.1f} ms{ratio:>15}"
               f"{s['computed_tokens']:>10}{kl:>11}{top1:>7}{greedy:>8}")

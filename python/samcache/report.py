@@ -83,10 +83,18 @@ def _pct(value, enabled: bool) -> str:
     return "-" if not enabled or value is None else f"{value:.0%}"
 
 
-def _fmt_fid(f, mode: str) -> tuple[str, str, str]:
+def fidelity_cells(f, mode: str, *, short: bool = False) -> tuple[str, str, str]:
+    """KL median, top-1 and greedy agreement of a run's summary fidelity, as table cells."""
     if not f:
-        return {"baseline": "exact", "new-only": "n/a (not the same prompt)"}.get(mode, "not measured"), "-", "-"
+        missing = {"baseline": "exact", "new-only": "n/a" if short else "n/a (not the same prompt)"}
+        return missing.get(mode, "-" if short else "not measured"), "-", "-"
     return f"{f['kl_median']:.2e}", f"{f['top1_agree']:.0%}", f"{f['greedy_agree']:.0%}"
+
+
+def ratio_cell(ref: dict, s: dict, *, times: str = "×") -> str:
+    """TTFT of ``ref`` over that of ``s`` (summaries), of the medians and of the means."""
+    return (f"{ref['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}{times} / "
+            f"{ref['ttft_mean_ms'] / s['ttft_mean_ms']:.2f}{times}")
 
 
 def render(results: dict[str, Any], plots: list[str]) -> str:
@@ -131,22 +139,21 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
     ]
     for r in runs:
         s = r["summary"]
-        vs_prefix = (f"{ref['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}× / "
-                     f"{ref['summary']['ttft_mean_ms'] / s['ttft_mean_ms']:.2f}×") if ref else "-"
+        vs_prefix = ratio_cell(ref["summary"], s) if ref else "-"
         vs_base = f"{base['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}×" if base else "-"
-        kl, top1, greedy = _fmt_fid(s["fidelity"], r["mode"])
-        levels = r.get("levels", {})
+        kl, top1, greedy = fidelity_cells(s["fidelity"], r["mode"])
+        levels = r["levels"]
         rates = " / ".join([
-            _pct(s["prefix_hit_rate"], levels.get("prefix", True)),
-            _pct(s["vit_skipped_rate"], levels.get("vit", True)),
-            _pct(s["image_kv_hit_rate"], levels.get("image_kv", True)),
+            _pct(s["prefix_hit_rate"], levels["prefix"]),
+            _pct(s["vit_skipped_rate"], levels["vit"]),
+            _pct(s["image_kv_hit_rate"], levels["image_kv"]),
         ])
         ratio = f"{r['recompute']:g}" if r["recompute"] is not None else ("0" if r["mode"] == "no-recompute" else "-")
         lines.append(
             f"| `{r['name']}` | {ratio} | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p95_ms']:.1f} ms "
             f"| {s['ttft_mean_ms']:.1f} ms | {s['latency_p50_ms']:.1f} ms | {vs_prefix} | {vs_base} | {s['computed_tokens']:,} "
             f"| {s['prefix_reused_tokens']:,} | {s['image_reused_tokens']:,} | {s['recomputed_tokens']:,} "
-            f"| {s['vit_calls']} | {rates} | {s['peak_kv_mib']:.1f} / {s.get('peak_live_kv_mib', 0.0):.1f} MiB "
+            f"| {s['vit_calls']} | {rates} | {s['peak_kv_mib']:.1f} / {s['peak_live_kv_mib']:.1f} MiB "
             f"| {s['decode_tokens_per_s']:.1f} | {kl} | {top1} | {greedy} |"
         )
     floor = next((r for r in runs if r["mode"] == "new-only"), None)
@@ -159,7 +166,7 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
     recomputing = [r for r in runs if r["recompute"] is not None]
     if recomputing:
         lines += ["", "Per-layer recompute rates of the budget: " + "; ".join(
-            f"`{r['name']}` {r['budget']} {[round(x, 3) for x in r.get('layer_rates', r.get('recompute_rates', []))]}"
+            f"`{r['name']}` {r['budget']} {[round(x, 3) for x in r['layer_rates']]}"
             for r in recomputing)]
     lines += ["", "Computed tokens = prefilled from scratch + recomputed, a token recomputed at k of L layers "
               "counting k/L; recomputed (layer 0) counts the recomputed tokens at the first layer, where the set is "
@@ -185,7 +192,6 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
 def write_report(results: dict[str, Any], out_dir) -> pathlib.Path:
     """Write ``report.md`` and the plots into ``out_dir``; returns the report's path."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if not isinstance(results, dict):
         raise ValueError("not a samcache benchmark result: the JSON is not an object")
     for key in ("meta", "trace", "runs", "modes"):
@@ -197,10 +203,11 @@ def write_report(results: dict[str, Any], out_dir) -> pathlib.Path:
 
     for run in results["runs"]:  # aggregates always follow from the per-turn records
         run["summary"] = summarize(run["turns"])
+    out.mkdir(parents=True, exist_ok=True)
     plots = _plots(results, out)
     path = out / "report.md"
     path.write_text(render(results, plots), encoding="utf-8")
     return path
 
 
-__all__ = ["PLOTS", "render", "write_report"]
+__all__ = ["PLOTS", "fidelity_cells", "ratio_cell", "render", "write_report"]

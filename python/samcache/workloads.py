@@ -108,18 +108,30 @@ class Trace:
         """
         if not 0 <= t < len(self.turns):
             raise ValueError(f"turn index {t} is outside this {len(self.turns)}-turn trace")
-        seen = {r for turn in self.turns[:t] for r in turn.images()}
-        turn = self.turns[t]
-        fresh = list(dict.fromkeys(r for r in turn.images() if r not in seen))
-        content = turn.messages[-1]["content"]
-        text = content if isinstance(content, str) else " ".join(p["text"] for p in content if p.get("type") == "text")
-        system = [m for m in turn.messages[:1] if m["role"] == "system"]
-        return Turn(turn.label, [*system, user_message(fresh, text)], turn.max_new_tokens)
+        return _cut(self.turns[t], {r for turn in self.turns[:t] for r in turn.images()})
+
+    def new_contents(self) -> list[Turn]:
+        """``new_content(t)`` of every turn, in one pass."""
+        seen: set[ImageRef] = set()
+        out = []
+        for turn in self.turns:
+            out.append(_cut(turn, seen))
+            seen.update(turn.images())
+        return out
 
     def summary(self) -> dict[str, Any]:
         refs = [r for t in self.turns for r in t.images()]
         return {"scenario": self.scenario, "seed": self.seed, "params": self.params, "turns": len(self.turns),
                 "images_sent": len(refs), "distinct_images": len(set(refs))}
+
+
+def _cut(turn: Turn, seen: set[ImageRef]) -> Turn:
+    """``turn`` with only its system message, the images not in ``seen`` and its last text."""
+    fresh = list(dict.fromkeys(r for r in turn.images() if r not in seen))
+    content = turn.messages[-1]["content"]
+    text = content if isinstance(content, str) else " ".join(p["text"] for p in content if p.get("type") == "text")
+    system = [m for m in turn.messages[:1] if m["role"] == "system"]
+    return Turn(turn.label, [*system, user_message(fresh, text)], turn.max_new_tokens)
 
 
 def _words(rng: np.random.Generator, n: int) -> str:
@@ -147,7 +159,7 @@ def gui(*, seed: int = 0, turns: int = 20, window: int = 4, size: tuple[int, int
     rng = np.random.default_rng(seed)
     goal = f"file the expense report for {_words(rng, 2)}"
     system = f"You are a GUI agent operating a desktop computer. Your goal: {goal}. Answer with one action."
-    shots = [ImageRef("screenshot", seed * 100_003 + i, tuple(size)) for i in range(turns)]
+    shots = [ImageRef("screenshot", seed * 100_003 + i, size) for i in range(turns)]
     actions: list[str] = []
     trace = Trace("gui", seed, {"turns": turns, "window": window, "size": list(size), "max_new_tokens": max_new_tokens})
     for t in range(turns):
@@ -169,7 +181,7 @@ def docs(*, seed: int = 0, turns: int = 12, pages: int = 6, per_turn: int = 3, s
         raise ValueError(f"per_turn ({per_turn}) cannot exceed pages ({pages})")
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
-    refs = [ImageRef("page", seed * 100_003 + i, tuple(size)) for i in range(pages)]
+    refs = [ImageRef("page", seed * 100_003 + i, size) for i in range(pages)]
     system = "You are a document analyst. Answer from the pages shown; cite the page."
     trace = Trace("docs", seed, {"turns": turns, "pages": pages, "per_turn": per_turn, "size": list(size),
                                  "max_new_tokens": max_new_tokens})
@@ -187,7 +199,7 @@ def branch(*, seed: int = 0, branches: int = 3, images: int = 3, continue_turns:
     check_int("branches", branches, 1), check_int("images", images, 1), check_int("continue_turns", continue_turns, 0)
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
-    refs = [ImageRef("screenshot", seed * 100_003 + i, tuple(size)) for i in range(images)]
+    refs = [ImageRef("screenshot", seed * 100_003 + i, size) for i in range(images)]
     task = f"reconcile the {_words(rng, 2)} across these screens"
     trace = Trace("branch", seed, {"branches": branches, "images": images, "continue_turns": continue_turns,
                                    "size": list(size), "max_new_tokens": max_new_tokens})
@@ -213,7 +225,7 @@ def chat(*, seed: int = 0, turns: int = 8, size: tuple[int, int] = (720, 1280), 
     check_int("turns", turns, 1)
     size = _common(size, max_new_tokens, seed)
     rng = np.random.default_rng(seed)
-    ref = ImageRef("screenshot", seed * 100_003, tuple(size))
+    ref = ImageRef("screenshot", seed * 100_003, size)
     history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."},
                            user_message([ref], f"What is on this screen? Focus on the {_words(rng, 1)}.")]
     trace = Trace("chat", seed, {"turns": turns, "size": list(size), "max_new_tokens": max_new_tokens})

@@ -114,7 +114,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        raise ValueError(f"device={str(device)!r} was asked for but torch sees no CUDA GPU "
+                         f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
     return device
@@ -332,6 +333,17 @@ class SAMcacheEngine:
         if session is not None:
             session.messages = history + [{"role": "assistant", "content": text}]
         return ChatResult(text=text, token_ids=tokens, finish_reason=reason, metrics=m)
+
+    def warm_up(self, size: tuple[int, int] = (56, 56)) -> None:
+        """One throwaway turn over a synthetic image of ``size`` (h, w) no real prompt holds, so
+        first-call costs (allocations, the image path) stay out of the first measured turn. Its
+        own system prompt: no later prompt gets a prefix hit from it."""
+        from samcache.engine.synthetic import screenshot
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.chat(messages=[{"role": "system", "content": "samcache warm-up"},
+                                user_message([screenshot(987_654_321, size)], "warm-up")], max_new_tokens=2)
 
     def build_prompt(self, messages: Sequence[dict]) -> Prompt:
         """Chat messages -> token ids, image spans and M-RoPE positions (images decoded and hashed)."""

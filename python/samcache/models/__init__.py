@@ -25,6 +25,17 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+def build_preset(family: str, preset: str, out_dir, *, dtype: str | None = None, seed: int = 0):
+    """``build_tiny_model(family, out_dir, **PRESETS[preset])``; real-size presets are written in
+    ``dtype`` (e.g. "bfloat16": a float32 7B checkpoint is 33 GB), the tiny one always in float32."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    sizes = dict(PRESETS[preset])
+    if preset != "tiny" and dtype is not None:
+        sizes["dtype"] = dtype
+    return build_tiny_model(family, out_dir, seed=seed, **sizes)
+
+
 MODEL_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
@@ -48,6 +59,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "SPECIAL_TOKEN_IDS",
     "TOKENIZER_SIZE",
+    "build_preset",
     "build_tiny_model",
     "build_tokenizer",
     "describe",
