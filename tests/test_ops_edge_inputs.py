@@ -24,6 +24,15 @@ def test_rope_write_refuses_a_source_that_is_a_view_of_the_cache():
     assert torch.equal(key_cache[0, 1:4], before[:, 0][0, 0:3])
 
 
+def test_rope_write_refuses_a_cache_whose_blocks_overlap():
+    base = torch.zeros(64)
+    key_cache = base.as_strided((4, 4, 1, 4), (8, 4, 4, 1))  # block b+1 starts halfway through block b
+    with pytest.raises(ValueError, match="key_cache has elements sharing memory"):
+        rope_rerotate_write(torch.ones(2, 1, 4), torch.zeros(2, dtype=torch.long), torch.ones(2), "neox", [],
+                            key_cache, torch.tensor([0, 5]))
+    assert base.eq(0).all()
+
+
 def test_rope_in_place_refuses_self_overlapping_keys_and_accepts_strided_views():
     base = torch.randn(64)
     overlapping = base.as_strided((4, 1, 4), (2, 4, 1))  # token t shares 2 elements with token t+1

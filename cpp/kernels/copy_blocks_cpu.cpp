@@ -1,5 +1,7 @@
 #include "copy_blocks.h"
 
+#include "memory_checks.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -24,10 +26,8 @@ CopyBlocksPlan plan_copy_blocks(at::TensorList caches, const at::Tensor& block_p
   }
   // Caches must not overlap: the copies run in parallel and would race on shared bytes.
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;
-  for (const at::Tensor& c : caches) {
-    const auto begin = reinterpret_cast<uintptr_t>(c.data_ptr());
-    spans.emplace_back(begin, begin + static_cast<uintptr_t>(c.nbytes()));
-  }
+  for (const at::Tensor& c : caches)
+    if (c.numel() > 0) spans.push_back(byte_range(c));
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i)
     TORCH_CHECK_VALUE(spans[i].first >= spans[i - 1].second, "copy_blocks: two caches share memory");

@@ -6,30 +6,32 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
 namespace samcache::kernels {
 
-// True when a and b are views of one storage whose reachable byte ranges intersect: one may
-// then be overwritten through the other. Disjoint parts of one allocation (K and V halves of a
-// [2, blocks, ...] tensor) pass; interleaved views are refused, which errs on the safe side.
+// The bytes [first, last) that t's elements can reach, from its data pointer and strides.
+inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  int64_t lo = 0, hi = 0;  // element offsets from the data pointer
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  return {base + lo * es, base + (hi + 1) * es};
+}
+
+// True when the bytes a and b can reach intersect: one may then be overwritten through the
+// other. Disjoint parts of one allocation (K and V halves of a [2, blocks, ...] tensor) pass;
+// interleaved views are refused, which errs on the safe side.
 inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined() || !a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0)
-    return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  auto range = [](const at::Tensor& t) {  // [first, last] byte reachable
-    int64_t lo = t.storage_offset(), hi = t.storage_offset();
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t reach = (t.size(d) - 1) * t.stride(d);
-      (reach < 0 ? lo : hi) += reach;
-    }
-    const int64_t es = static_cast<int64_t>(t.element_size());
-    return std::pair<int64_t, int64_t>{lo * es, hi * es + es - 1};
-  };
-  const auto [a_lo, a_hi] = range(a);
-  const auto [b_lo, b_hi] = range(b);
-  return a_lo <= b_hi && b_lo <= a_hi;
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a_lo, a_hi] = byte_range(a);
+  const auto [b_lo, b_hi] = byte_range(b);
+  return a_lo < b_hi && b_lo < a_hi;
 }
 
 // True when no two elements of t share memory, proven from its strides (each dimension, in

@@ -1,5 +1,4 @@
 #include <ATen/Dispatch.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -243,8 +242,8 @@ RopePlan plan_rope_rerotate_write(const at::Tensor& key, const at::Tensor& delta
                     ", got ", key_cache.device());
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 || key_cache.size(3) <= 1,
                     "rope: key_cache's last dimension must be contiguous");
-  TORCH_CHECK_VALUE(at::has_internal_overlap(key_cache) != at::MemOverlap::Yes,
-                    "rope: key_cache has elements sharing memory (e.g. an expanded tensor)");
+  TORCH_CHECK_VALUE(provably_non_overlapping(key_cache),
+                    "rope: key_cache has elements sharing memory (e.g. an expanded or as_strided tensor)");
   // Any view of the cache as the source (e.g. moving tokens within it) could be overwritten
   // before it is read: refuse it, whatever its strides; pass a copy instead.
   TORCH_CHECK_VALUE(!may_share_memory(key, key_cache),
