@@ -48,12 +48,22 @@ def run_threads():
 
 @pytest.fixture
 def rejects_without_writing():
-    """rejects_without_writing(call, exc, tensors): call() raises exc and leaves tensors as they were."""
+    """rejects_without_writing(call, exc, tensors, match=None): call() raises exc (its message
+    matching ``match``) and leaves tensors as they were."""
 
-    def check(call, exc, tensors, message="a rejected call must not write"):
+    def check(call, exc, tensors, message="a rejected call must not write", match=None):
         before = [t.clone() for t in tensors]
-        with pytest.raises(exc):
+        with pytest.raises(exc, match=match):
             call()
         assert all(t.equal(b) for t, b in zip(tensors, before)), message
 
     return check
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """One tiny random-weight checkpoint per family, built once for the whole run."""
+    pytest.importorskip("transformers")
+    from samcache.models import FAMILIES, build_tiny_model
+
+    return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}

@@ -12,7 +12,6 @@ pytest.importorskip("matplotlib")
 
 from samcache.benchmark import MODES, parse_modes, run_benchmark  # noqa: E402
 from samcache.cli import main  # noqa: E402
-from samcache.models import build_tiny_model  # noqa: E402
 from samcache.report import write_report  # noqa: E402
 from samcache.workloads import make_trace  # noqa: E402
 
@@ -20,8 +19,8 @@ SMALL = ["--image-size", "112", "168"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("m"))
+def model(tiny_checkpoints):
+    return tiny_checkpoints["qwen2_5_vl"]
 
 
 @pytest.fixture(scope="module")

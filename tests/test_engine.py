@@ -18,19 +18,12 @@ from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.models import FAMILIES, build_tiny_model  # noqa: E402
 
-SIZE = (112, 168)  # small screenshots: 24-90 image tokens each on the tiny models
+from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
-
-
-def make_engine(path, **kw):
-    kw.setdefault("recompute_budget", "uniform")
-    kw.setdefault("kv_cache_bytes", 16 << 20)
-    kw.setdefault("device", "cpu")
-    return SAMcacheEngine(path, **kw)
+def checkpoints(tiny_checkpoints):
+    return tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +52,6 @@ def second_turn(engine, first_msgs, second_msgs):
     pre = engine.prefill(prompt, Namespace(engine.model_id))
     engine.pool.free_sequence(pre.seq)
     return first, prompt, pre
-
-
-def assert_clean(engine):
-    engine.check_invariants()
-    assert engine.pool.stats()["live_sequences"] == 0
 
 
 # ---- the runner against transformers ----------------------------------------------------------

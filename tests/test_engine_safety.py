@@ -16,24 +16,13 @@ from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.models import build_tiny_model  # noqa: E402
 
-SIZE = (112, 168)
+from engine_helpers import SIZE, make_engine  # noqa: E402
+from engine_helpers import assert_clean as clean  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return build_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl"))
-
-
-def make_engine(path, **kw):
-    kw.setdefault("recompute_budget", "uniform")
-    kw.setdefault("kv_cache_bytes", 16 << 20)
-    kw.setdefault("device", "cpu")
-    return SAMcacheEngine(path, **kw)
-
-
-def clean(engine):
-    engine.check_invariants()
-    assert engine.pool.stats()["live_sequences"] == 0
+def path(tiny_checkpoints):
+    return tiny_checkpoints["qwen2_5_vl"]
 
 
 @pytest.mark.parametrize("shape", [(3, 150, 3), (1, 120, 3), (150, 3, 3)])

@@ -9,15 +9,14 @@ from samcache import _C
 from samcache.ops import paged_write, quantize_kv_blocks, rope_rerotate, rope_rerotate_write, sparse_attention, token_merge
 
 
-def test_rope_write_refuses_a_source_that_is_a_view_of_the_cache():
+def test_rope_write_refuses_a_source_that_is_a_view_of_the_cache(rejects_without_writing):
     kv = torch.arange(2 * 2 * 4 * 1 * 4, dtype=torch.float32).reshape(2, 2, 4, 1, 4)
     key_cache = kv[:, 0]  # a strided view: ATen's overlap test cannot decide it
     key = key_cache[0, 0:3]  # tokens 0-2 of block 0, to be moved one slot up
     before = kv.clone()
-    with pytest.raises(ValueError, match="key and key_cache must not share memory"):
-        rope_rerotate_write(key, torch.zeros(3, dtype=torch.long), torch.ones(2), "neox", [], key_cache,
-                            torch.tensor([1, 2, 3]))
-    assert torch.equal(kv, before)
+    rejects_without_writing(lambda: rope_rerotate_write(key, torch.zeros(3, dtype=torch.long), torch.ones(2), "neox",
+                                                        [], key_cache, torch.tensor([1, 2, 3])),
+                            ValueError, [kv], match="key and key_cache must not share memory")
     # a copy of the same rows is the supported way, and moves them intact (delta 0)
     rope_rerotate_write(key.clone(), torch.zeros(3, dtype=torch.long), torch.ones(2), "neox", [], key_cache,
                         torch.tensor([1, 2, 3]))
@@ -48,17 +47,16 @@ def test_rope_in_place_refuses_self_overlapping_keys_and_accepts_strided_views()
     rope_rerotate(empty, torch.zeros(0, dtype=torch.long), torch.ones(2), "neox")
 
 
-def test_paged_write_refuses_aliasing_caches_and_sources():
+def test_paged_write_refuses_aliasing_caches_and_sources(rejects_without_writing):
     kc, vc = torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
     k, v = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
     slots = torch.tensor([0, 1, 5])
-    with pytest.raises(ValueError, match="key_cache and value_cache must not share memory"):
-        paged_write(k, v, kc, kc, slots)
+    rejects_without_writing(lambda: paged_write(k, v, kc, kc, slots), ValueError, [kc],
+                            match="key_cache and value_cache must not share memory")
     for key, value, name in ((kc.view(-1, 1, 4)[0:3], v, "key"), (k, vc.view(-1, 1, 4)[4:7], "value"),
                              (k, kc.view(-1, 1, 4)[2:5], "value")):
-        with pytest.raises(ValueError, match=f"{name} must not share memory with the caches"):
-            paged_write(key, value, kc, vc, slots)
-    assert kc.eq(0).all() and vc.eq(0).all()
+        rejects_without_writing(lambda: paged_write(key, value, kc, vc, slots), ValueError, [kc, vc],
+                                match=f"{name} must not share memory with the caches")
     kv = torch.zeros(2, 2, 4, 1, 4)  # vLLM-style [2, blocks, ...]: K and V are disjoint halves of one tensor
     paged_write(k, v, kv[0], kv[1], slots)
     assert torch.equal(kv[0].view(-1, 1, 4)[5], k[2]) and torch.equal(kv[1].view(-1, 1, 4)[0], v[0])

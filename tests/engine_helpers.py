@@ -1,0 +1,19 @@
+"""Helpers shared by the engine test modules (imported by them; not a test module)."""
+
+from samcache.engine import SAMcacheEngine
+
+SIZE = (112, 168)  # small screenshots: 24-90 image tokens each on the tiny models
+
+
+def make_engine(path, **kw):
+    """An engine for tests: CPU, a 16 MiB pool, the uniform budget unless told otherwise."""
+    kw.setdefault("recompute_budget", "uniform")
+    kw.setdefault("kv_cache_bytes", 16 << 20)
+    kw.setdefault("device", "cpu")
+    return SAMcacheEngine(path, **kw)
+
+
+def assert_clean(engine):
+    """Pool and stores consistent, and no sequence left behind."""
+    engine.check_invariants()
+    assert engine.pool.stats()["live_sequences"] == 0
