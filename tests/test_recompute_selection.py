@@ -13,6 +13,7 @@ from samcache.recompute import (
     key_deviation,
     plan_recompute,
     solve_layer_budget,
+    span_positions,
 )
 
 
@@ -142,3 +143,6 @@ def test_heads_track_alone_stops_at_the_span_heads():
     assert plan.order[7:].tolist() == sorted(rest, key=lambda p: -scores[p])  # share ignored: track 2 after
     with pytest.raises(ValueError, match="tracks must be"):
         plan_recompute(spans, [1], tracks="track2")
+    assert span_positions(spans).tolist() == list(range(10, 50)) + list(range(100, 125))
+    with pytest.raises(TypeError, match="ReusedSpan"):
+        span_positions([(10, 40)])

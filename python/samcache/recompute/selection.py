@@ -116,6 +116,8 @@ def plan_recompute(
 
 def span_positions(spans: Sequence[ReusedSpan]) -> np.ndarray:
     """Every position the spans cover, span by span (int64)."""
+    if not all(isinstance(s, ReusedSpan) for s in spans):
+        raise TypeError("spans must be ReusedSpan objects")
     return np.concatenate([np.arange(s.start, s.start + s.length) for s in spans]) if spans else np.zeros(0, np.int64)
 
 
