@@ -26,14 +26,16 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
 from samcache.benchmark import MODES
 from samcache.engine import SAMcacheEngine, screenshot
-from samcache.engine.engine import _resolve_device, _resolve_dtype
+from samcache.engine.loading import resolve_device, resolve_dtype
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import user_message
+from samcache.eval import reference_prefill
 from samcache.hashing import Namespace
 from samcache.models import PRESETS, build_preset
 
@@ -45,7 +47,7 @@ def run(args) -> dict:
     torch.manual_seed(0)
     model = args.model
     if model is None:
-        dtype = str(_resolve_dtype(args.dtype, _resolve_device(args.device))).removeprefix("torch.")
+        dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
         model = build_preset(args.family, args.preset, pathlib.Path(tempfile.mkdtemp()) / args.family, dtype=dtype)
     h, w = args.image_size
     images = [screenshot(100 + i, (h, w)) for i in range(args.images)]
@@ -78,13 +80,14 @@ def run(args) -> dict:
     fidelity = [m.fidelity for m in results["samcache"]]
     # Fidelity against recompute: the last turn's prompt at several ratios (same budget policy).
     prompt = sam.build_prompt(msgs)
-    ref = sam._full_prefill(prompt, Namespace(sam.model_id))
+    ref, ref_logits = reference_prefill(sam.executor, prompt, sam.model_id, Namespace(sam.model_id))
     sam.pool.free_sequence(ref.seq)
     sweep = {}
     for ratio in args.sweep:
-        pre = sam.prefill(prompt, Namespace(sam.model_id), recompute_ratio=ratio, use_prefix=False, register=False)
+        options = replace(sam.request_options(ratio), use_prefix=False, register_prefix=False, store_images=False)
+        pre, logits = sam.prefill(prompt, options=options)
         sam.pool.free_sequence(pre.seq)
-        sweep[ratio] = next_token_fidelity(ref.logits, pre.logits)[0]
+        sweep[ratio] = next_token_fidelity(ref_logits, logits)[0]
     table = {}
     for name, ms in results.items():
         table[name] = {

@@ -1,14 +1,15 @@
 // Block-sparse recompute attention on CUDA cores, split-KV (flash-decoding style).
 //
-// One CTA = one query x one group of up to 8 query heads sharing a KV head x one split of
-// the query's visible key range [lo, index]. Each of its 4 warps scores 32 keys at a time
-// (one key per lane, 16-byte loads, all heads of the group at once), keeps an online softmax
-// per head, and accumulates V with lanes owning strided dims (coalesced reads). Warps merge in
+// One CTA = one query row (of any sequence of the batch) x one group of up to 8 query heads
+// sharing a KV head x one split of the row's visible key range [lo, position]. Each of its 4
+// warps scores 32 keys at a time (one key per lane, 16-byte loads, all heads of the group at
+// once), keeps an online softmax per head, and accumulates V with lanes owning strided dims
+// (coalesced reads). Warps merge in
 // shared memory; with several splits, a second kernel merges the splits through their
 // (max, sum) pairs. Keys outside a query's range are never read.
 //
 // Guards instead of host validation (device indices cannot be read without a sync): a query
-// whose index is out of range, or whose block table entry is out of range, gets NaN output.
+// whose position or sequence is out of range, or whose page is out of range, gets NaN output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,8 +87,14 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SparseAttentionParams p
   float* l_s = m_s + kWarps * kMaxGroup;           // [kWarps][G]
   __shared__ int bad;
 
-  const int64_t index = p.q_index[query];
-  if (threadIdx.x == 0) bad = (index < 0 || index >= p.num_kv_tokens);
+  // This row's sequence: its pages and KV length (guards instead of host checks, see above).
+  const int64_t seq = p.q_seq[query];
+  const bool seq_ok = seq >= 0 && seq < p.num_seqs;
+  const int64_t page0 = seq_ok ? p.kv_indptr[seq] : 0;
+  const int64_t num_pages = seq_ok ? p.kv_indptr[seq + 1] - page0 : 0;
+  const int64_t kv_len = num_pages > 0 ? (num_pages - 1) * p.block_size + p.kv_last_page_len[seq] : 0;
+  const int64_t index = p.q_pos[query];
+  if (threadIdx.x == 0) bad = (!seq_ok || index < 0 || index >= kv_len || kv_len > num_pages * p.block_size);
   const T* q = static_cast<const T*>(p.q) + (query * p.num_q_heads + head0) * D;
   for (int i = threadIdx.x; i < G * D; i += kThreads) q_s[i] = to_float(q[i]);
   __syncthreads();
@@ -109,9 +116,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SparseAttentionParams p
     bool valid = key <= range.hi;
     int64_t row = 0;  // element offset of this key's [kv_head] row
     if (valid) {
-      const int64_t t = key / p.block_size;
-      const int64_t blk = p.block_table_int64 ? static_cast<const int64_t*>(p.block_table)[t]
-                                              : static_cast<const int32_t*>(p.block_table)[t];
+      const int64_t blk = p.kv_indices[page0 + key / p.block_size];
       if (blk < 0 || blk >= p.num_cache_blocks) {
         valid = false;
         bad = 1;  // benign race: every writer stores 1

@@ -5,6 +5,7 @@ against transformers' own forward, and every kind of reuse against the engine's 
 """
 
 import json
+import math
 import warnings
 
 import numpy as np
@@ -16,6 +17,7 @@ pytest.importorskip("transformers")
 from samcache import ImageLoadError, Namespace, PromptTooLong, UnsupportedModel, ops  # noqa: E402
 from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
+from samcache.eval import reference_prefill  # noqa: E402
 from samcache.models import FAMILIES, build_tiny_model  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
@@ -40,18 +42,18 @@ def messages(system, images, question):
 
 
 def full(engine, prompt):
-    ref = engine._full_prefill(prompt, Namespace(engine.model_id))
+    ref, logits = reference_prefill(engine.executor, prompt, engine.model_id, Namespace(engine.model_id))
     engine.pool.free_sequence(ref.seq)
-    return ref.logits
+    return logits
 
 
 def second_turn(engine, first_msgs, second_msgs):
-    """Run ``first_msgs`` as a turn, then prefill ``second_msgs``: (first result, prompt, prefill)."""
+    """Run ``first_msgs`` as a turn, then prefill ``second_msgs``: (first result, prompt, prefill, logits)."""
     first = engine.chat(messages=first_msgs, max_new_tokens=1)
     prompt = engine.build_prompt(second_msgs)
-    pre = engine.prefill(prompt, Namespace(engine.model_id))
+    pre, logits = engine.prefill(prompt)
     engine.pool.free_sequence(pre.seq)
-    return first, prompt, pre
+    return first, prompt, pre, logits
 
 
 # ---- the runner against transformers ----------------------------------------------------------
@@ -101,12 +103,12 @@ def test_greedy_decode_matches_transformers_generate(engines, family):
 def test_recompute_ratio_one_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], recompute_ratio=1.0)
     images = shots(4, 5)
-    _, prompt, pre = second_turn(engine, messages("First system prompt.", images, "Look."),
+    _, prompt, pre, logits = second_turn(engine, messages("First system prompt.", images, "Look."),
                                  messages("A different, longer system prompt for turn two.", images[::-1], "Now?"))
     m = pre.metrics
     assert m.image_reused_tokens == sum(s.length for s in prompt.images) and m.prefix_reused_tokens == 0
     assert m.recomputed_tokens == m.image_reused_tokens and m.recompute_rates == [1.0] * engine.runner.num_layers
-    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
     assert_clean(engine)
 
 
@@ -114,12 +116,12 @@ def test_recompute_ratio_one_reproduces_full_prefill(checkpoints, family):
 def test_exact_prefix_reuse_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], image_kv_cache=False)
     msgs = messages("Same prompt twice.", shots(6), "Same question.")
-    first, prompt, pre = second_turn(engine, msgs, msgs)
+    first, prompt, pre, logits = second_turn(engine, msgs, msgs)
     bs = engine.pool.block_size
     assert first.metrics.prefix_reused_tokens == 0
     assert pre.metrics.prefix_reused_tokens == (len(prompt) - 1) // bs * bs > 0
     assert pre.metrics.vit_calls == 0 and pre.metrics.image_reused_tokens == 0
-    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
     assert_clean(engine)
 
 
@@ -127,10 +129,10 @@ def test_exact_prefix_reuse_reproduces_full_prefill(checkpoints, family):
 def test_image_at_the_same_position_with_ratio_zero_reproduces_full_prefill(checkpoints, family):
     engine = make_engine(checkpoints[family], prefix_cache=False, recompute_ratio=0.0)
     images = shots(7)
-    _, prompt, pre = second_turn(engine, messages("Fixed system prompt.", images, "First question?"),
+    _, prompt, pre, logits = second_turn(engine, messages("Fixed system prompt.", images, "First question?"),
                                  messages("Fixed system prompt.", images, "A second question."))
     assert pre.metrics.image_reused_tokens == prompt.images[0].length and pre.metrics.recomputed_tokens == 0
-    torch.testing.assert_close(pre.logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, full(engine, prompt), atol=1e-5, rtol=1e-5)
     assert_clean(engine)
 
 
@@ -140,9 +142,8 @@ def test_rerotated_kv_at_a_new_position_equals_the_first_layer_of_a_full_prefill
     images = shots(8, 9)
     engine.chat(messages=messages("Short.", images, "Look."), max_new_tokens=1)
     prompt = engine.build_prompt(messages("A much longer system prompt that moves every image.", images[::-1], "Q?"))
-    ns = Namespace(engine.model_id)
-    pre = engine.prefill(prompt, ns)
-    ref = engine._full_prefill(prompt, Namespace(engine.model_id))
+    pre, _ = engine.prefill(prompt)
+    ref, _ = reference_prefill(engine.executor, prompt, engine.model_id, Namespace(engine.model_id))
     r = engine.runner
     moved = [s for s in prompt.images]
     assert pre.metrics.image_reused_tokens == sum(s.length for s in moved)
@@ -250,9 +251,11 @@ def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         r = again.chat(images=shots(42, 41), prompt="y", max_new_tokens=1)
-    rates = r.metrics.recompute_rates
-    assert all(a >= b for a, b in zip(rates, rates[1:])) and np.mean(rates) <= 0.3 + 1e-9
-    assert r.metrics.recomputed_tokens == round(rates[0] * r.metrics.image_reused_tokens)
+    rates, reused = r.metrics.recompute_rates, r.metrics.image_reused_tokens
+    solved = again.layer_budget(0.3).rates
+    assert np.mean(solved) <= 0.3 + 1e-9 and all(a >= b for a, b in zip(solved, solved[1:]))
+    assert rates == [math.ceil(b * reused - 1e-9) / reused for b in solved]  # each layer's rate, in whole tokens
+    assert r.metrics.recomputed_tokens == round(rates[0] * reused)
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from samcache import Namespace, hash_bytes  # noqa: E402
 from samcache.engine.images import PreparedImage  # noqa: E402
 from samcache.engine.prompt import build_prompt, image_positions  # noqa: E402
 from samcache.engine.sampling import Sampler  # noqa: E402
-from samcache.engine.stores import TensorStore  # noqa: E402
+from samcache.stores import TensorStore  # noqa: E402
 
 NS = Namespace("test-model")
 

@@ -65,7 +65,7 @@ def test_heads_only_recomputes_exactly_the_span_heads(path, monkeypatch):
     prompt = engine.build_prompt(second)
     seen = []
     real = engine.runner.forward
-    monkeypatch.setattr(engine.runner, "forward", lambda batch: seen.append(batch.index.clone()) or real(batch))
+    monkeypatch.setattr(engine.runner, "forward", lambda batch: seen.append(batch.all_rows.meta.q_pos.clone()) or real(batch))
     r = engine.chat(messages=second, max_new_tokens=1)
     assert r.metrics.image_kv_hits == 2
     computed = set(seen[0].tolist())
@@ -75,11 +75,19 @@ def test_heads_only_recomputes_exactly_the_span_heads(path, monkeypatch):
     clean(engine)
 
 
-def test_calibration_that_cannot_reuse_its_images_is_refused(path):
-    engine = make_engine(path, image_kv_cache_bytes=1000)
-    with pytest.raises(ValueError, match="calibration needs the KV of its 2 images"):
-        engine.calibrate(progress=False)
-    assert engine.sensitivity is None
+def test_calibration_runs_on_its_own_state_and_leaves_the_engines_untouched(path):
+    engine = make_engine(path, recompute_budget="layer-aware")
+    engine.chat(images=[screenshot(90, SIZE)], prompt="serve one turn first", max_new_tokens=2)
+    bits = lambda t: t.view(torch.int32).clone()  # noqa: E731  (bitwise: unwritten slots may hold NaN)
+    pool_before, k_before, v_before = engine.pool.stats(), bits(engine.runner.k_cache), bits(engine.runner.v_cache)
+    stores_before = (len(engine.vit_store), len(engine.image_kv_store), engine.image_kv_store.used_bytes)
+    curves = engine.calibrate(rates=(0.0, 1.0), progress=False)
+    assert engine.sensitivity is curves and curves.loss[:, 0].min() > 0  # reuse was approximate: it measured
+    assert engine.pool.stats() == pool_before
+    assert (len(engine.vit_store), len(engine.image_kv_store), engine.image_kv_store.used_bytes) == stores_before
+    assert torch.equal(bits(engine.runner.k_cache), k_before) and torch.equal(bits(engine.runner.v_cache), v_before)
+    r = engine.chat(images=[screenshot(90, SIZE)], prompt="and it still serves from its caches", max_new_tokens=1)
+    assert r.metrics.vit_calls == 0 and r.metrics.image_kv_hits == 1
     clean(engine)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from samcache import _C
-from samcache.ops import paged_write, quantize_kv_blocks, rope_rerotate, rope_rerotate_write, sparse_attention, token_merge
+from samcache.ops import AttentionMetadata, paged_write, quantize_kv_blocks, rope_rerotate, rope_rerotate_write, sparse_attention, token_merge
 
 
 def test_rope_write_refuses_a_source_that_is_a_view_of_the_cache(rejects_without_writing):
@@ -69,9 +69,10 @@ def test_paged_write_refuses_aliasing_caches_and_sources(rejects_without_writing
 def test_sparse_attention_checks_scale_and_cap_in_float32(kw, match):
     kc, vc = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
     q = torch.randn(3, 2, 8)
+    meta = AttentionMetadata.build([np.array([0, 3, 7])], [np.array([0, 1])], [8], 4)
     with pytest.raises(ValueError, match=match):
-        sparse_attention(q, torch.tensor([0, 3, 7]), kc, vc, torch.tensor([0, 1]), 8, **kw)
-    out, lse = sparse_attention(q, torch.tensor([0, 3, 7]), kc, vc, torch.tensor([0, 1]), 8, logit_cap=30.0)
+        sparse_attention(q, meta, kc, vc, **kw)
+    out, lse = sparse_attention(q, meta, kc, vc, logit_cap=30.0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 

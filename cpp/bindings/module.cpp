@@ -98,6 +98,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("block_size", &BlockPool::block_size)
       .def("new_sequence", [](BlockPool& p, const py::bytes& root) { return p.new_sequence(key_from(root)); })
       .def("fork", &BlockPool::fork, py::call_guard<py::gil_scoped_release>())
+      .def("share_blocks", &BlockPool::share_blocks, py::call_guard<py::gil_scoped_release>())
       .def("free_sequence", &BlockPool::free_sequence, py::call_guard<py::gil_scoped_release>())
       .def("append_slots",
            [](BlockPool& p, SeqId seq, int64_t n) {

@@ -13,11 +13,13 @@
 TORCH_LIBRARY(samcache, m) {
   // Copies block src -> dst in every cache, for each (src, dst) row of block_pairs.
   m.def("copy_blocks(Tensor(a!)[] caches, Tensor block_pairs) -> ()");
-  // Attention of sparse queries (at sequence indices q_index) against one sequence's paged KV:
-  // causal by index, GQA, optional window and logit cap. Returns (out, lse).
+  // Attention of query rows at arbitrary positions of many sequences against their paged KV
+  // (FlashInfer-style metadata: qo_indptr, kv_indptr / kv_indices, kv_last_page_len; q_pos gives
+  // each row's position): causal by position, GQA, optional window and logit cap. Returns (out, lse).
   m.def(
-      "sparse_attention(Tensor q, Tensor q_index, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "int num_kv_tokens, float scale, int window=-1, float logit_cap=0.0) -> (Tensor, Tensor)");
+      "sparse_attention(Tensor q, Tensor q_pos, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, Tensor key_cache, Tensor value_cache, float scale, int window=-1, "
+      "float logit_cap=0.0, int max_kv_len=-1) -> (Tensor, Tensor)");
   // Writes token i's K/V rows at slot slot_mapping[i] of the paged caches (-1 = skip).
   m.def("paged_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   // One sequence's first num_tokens tokens as contiguous [num_tokens, heads, head_dim] K and V.

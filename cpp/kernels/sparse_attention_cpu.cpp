@@ -1,23 +1,68 @@
+// CPU sparse_attention over a batch of sequences.
+//
+// Work is split into tasks of one sequence x one KV head x a tile of that sequence's query rows
+// (sorted by position, so a tile's key range stays tight), run by at::parallel_for. Two paths:
+//
+// - GEMM path (many rows: prefill, recompute): each key chunk of the sequence is gathered from the
+//   paged cache into a transposed K buffer and a V buffer (float), then S = Q K^T and O += P V are
+//   ATen's cpublas::brgemm calls (oneDNN's JIT micro-kernels where the CPU has them: AVX-512 runs
+//   at ~2x MKL's sgemm rate on AMD), with a flash-style online softmax between them.
+// - Direct path (a few rows: decode): no gather; each key row is read once from the cache and
+//   dotted with every row of the task, so decode reads the KV once at memory speed.
+//
+// Softmax, dot products and row updates are written with GCC vector extensions in functions
+// compiled three times (target_clones: AVX-512, AVX2+FMA, baseline) and picked at load time.
+// Only key chunks some row of a task can see (causal, window) are touched.
 #include "sparse_attention.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "cpu_convert.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SAMCACHE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SAMCACHE_SIMD_CLONES
+#endif
+
 namespace samcache::kernels {
 
-SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_index, const at::Tensor& key_cache,
-                                           const at::Tensor& value_cache, const at::Tensor& block_table,
-                                           int64_t num_kv_tokens, double scale, int64_t window, double logit_cap) {
-  TORCH_CHECK_VALUE(q.dim() == 3, "sparse_attention: q must be [num_queries, num_q_heads, head_dim], got ", q.sizes());
+namespace {
+
+// Reads an int32/int64 1-D tensor as int64 values (metadata is small: a copy is cheap).
+std::vector<int64_t> read_int64(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, int64_t size) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+                    "sparse_attention: ", name, " must be a 1-D int32/int64 tensor, got ", t.scalar_type(), " ",
+                    t.sizes());
+  if (size >= 0)
+    TORCH_CHECK_VALUE(t.size(0) == size, "sparse_attention: ", name, " must have ", size, " entries, got ", t.size(0));
+}
+
+}  // namespace
+
+SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
+                                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                           const at::Tensor& kv_last_page_len, const at::Tensor& key_cache,
+                                           const at::Tensor& value_cache, double scale, int64_t window,
+                                           double logit_cap, int64_t max_kv_len) {
+  TORCH_CHECK_VALUE(q.dim() == 3, "sparse_attention: q must be [num_rows, num_q_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_VALUE(key_cache.dim() == 4,
                     "sparse_attention: key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
                     key_cache.sizes());
@@ -28,195 +73,427 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
                     "sparse_attention: q must be float32, float16 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
                     "sparse_attention: q, key_cache and value_cache must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.device() == q.device() && value_cache.device() == q.device() &&
-                        q_index.device() == q.device() && block_table.device() == q.device(),
-                    "sparse_attention: all tensors must be on q's device ", q.device());
+  for (const at::Tensor* t : {&q_pos, &qo_indptr, &kv_indptr, &kv_indices, &kv_last_page_len, &key_cache, &value_cache})
+    TORCH_CHECK_VALUE(t->device() == q.device(), "sparse_attention: all tensors must be on q's device ", q.device(),
+                      ", got one on ", t->device());
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(), "sparse_attention: caches must be contiguous");
-  TORCH_CHECK_VALUE(q_index.dim() == 1 && q_index.size(0) == q.size(0) &&
-                        (q_index.scalar_type() == at::kInt || q_index.scalar_type() == at::kLong),
-                    "sparse_attention: q_index must be int32/int64 [num_queries]");
-  TORCH_CHECK_VALUE(block_table.dim() == 1 &&
-                        (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
-                    "sparse_attention: block_table must be int32/int64 [num_table_blocks]");
+  check_index_tensor(qo_indptr, "qo_indptr", -1);
+  TORCH_CHECK_VALUE(qo_indptr.size(0) >= 1, "sparse_attention: qo_indptr needs num_seqs + 1 >= 1 entries");
+  const int64_t B = qo_indptr.size(0) - 1;
+  check_index_tensor(q_pos, "q_pos", q.size(0));
+  check_index_tensor(kv_indptr, "kv_indptr", B + 1);
+  check_index_tensor(kv_last_page_len, "kv_last_page_len", B);
+  check_index_tensor(kv_indices, "kv_indices", -1);
   SparseAttentionShape s{};
-  s.num_queries = q.size(0);
+  s.num_rows = q.size(0);
+  s.num_seqs = B;
   s.num_q_heads = q.size(1);
   s.num_kv_heads = key_cache.size(2);
   s.head_dim = key_cache.size(3);
   s.block_size = key_cache.size(1);
-  s.num_kv_tokens = num_kv_tokens;
+  s.num_cache_blocks = key_cache.size(0);
   s.window = window;
   s.scale = scale;
   s.logit_cap = logit_cap;
+  s.max_kv_len = max_kv_len;
   TORCH_CHECK_VALUE(q.size(2) == s.head_dim, "sparse_attention: q head_dim ", q.size(2), " != cache head_dim ", s.head_dim);
   TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, "sparse_attention: num_q_heads ",
                     s.num_q_heads, " must be a multiple of num_kv_heads ", s.num_kv_heads);
-  TORCH_CHECK_VALUE(num_kv_tokens >= 1 && num_kv_tokens <= block_table.size(0) * s.block_size,
-                    "sparse_attention: num_kv_tokens ", num_kv_tokens, " must be in [1, ",
-                    block_table.size(0) * s.block_size, "] (block table length x block size)");
+  TORCH_CHECK_VALUE(s.block_size > 0, "sparse_attention: block_size must be > 0");
   // The kernels compute in float32: check the values they will see, not the doubles passed in.
   const float scale_f = static_cast<float>(scale), cap_f = static_cast<float>(logit_cap);
   TORCH_CHECK_VALUE(std::isfinite(scale_f) && scale_f > 0, "sparse_attention: scale must be finite and > 0 in float32, got ",
                     scale);
   TORCH_CHECK_VALUE(logit_cap == 0 || (std::isfinite(cap_f) && cap_f > 0),
                     "sparse_attention: logit_cap must be 0 (off) or finite and > 0 in float32, got ", logit_cap);
-  if (q.device().is_cpu()) {  // device tensors cannot be read without a sync: the kernel guards instead
-    const at::Tensor qi = q_index.to(at::kLong).contiguous();  // a strided view must be read as such
-    const int64_t* p = qi.data_ptr<int64_t>();
-    for (int64_t i = 0; i < s.num_queries; ++i)
-      TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < num_kv_tokens, "sparse_attention: q_index[", i, "] = ", p[i],
-                        " is outside [0, num_kv_tokens=", num_kv_tokens, ")");
-    const at::Tensor bt = block_table.to(at::kLong).contiguous();
-    const int64_t* b = bt.data_ptr<int64_t>();
-    const int64_t used = (num_kv_tokens + s.block_size - 1) / s.block_size;
-    for (int64_t i = 0; i < used; ++i)
-      TORCH_CHECK_INDEX(b[i] >= 0 && b[i] < key_cache.size(0), "sparse_attention: block_table[", i, "] = ", b[i],
-                        " is outside [0, ", key_cache.size(0), ")");
+  if (!q.device().is_cpu()) {  // device tensors cannot be read without a sync: the kernel guards instead
+    TORCH_CHECK_VALUE(max_kv_len >= 1 || s.num_rows == 0,
+                      "sparse_attention: on a GPU pass max_kv_len (the longest sequence), got ", max_kv_len);
+    return s;
   }
+  const std::vector<int64_t> qo = read_int64(qo_indptr), kvp = read_int64(kv_indptr), last = read_int64(kv_last_page_len),
+                             pos = read_int64(q_pos), pages = read_int64(kv_indices);
+  TORCH_CHECK_VALUE(qo[0] == 0 && qo[B] == s.num_rows, "sparse_attention: qo_indptr must run from 0 to num_rows=",
+                    s.num_rows, ", got ", qo[0], " .. ", qo[B]);
+  TORCH_CHECK_VALUE(kvp[0] == 0 && kvp[B] <= static_cast<int64_t>(pages.size()),
+                    "sparse_attention: kv_indptr must start at 0 and end within kv_indices (", pages.size(), "), got ",
+                    kvp[0], " .. ", kvp[B]);
+  for (int64_t b = 0; b < B; ++b)  // all of them before any range is read
+    TORCH_CHECK_VALUE(qo[b + 1] >= qo[b] && kvp[b + 1] >= kvp[b], "sparse_attention: qo_indptr and kv_indptr must not ",
+                      "decrease (sequence ", b, ")");
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t num_pages = kvp[b + 1] - kvp[b];
+    if (num_pages == 0) {
+      TORCH_CHECK_VALUE(qo[b + 1] == qo[b], "sparse_attention: sequence ", b, " has query rows but no KV pages");
+      continue;
+    }
+    TORCH_CHECK_VALUE(last[b] >= 1 && last[b] <= s.block_size, "sparse_attention: kv_last_page_len[", b, "] = ", last[b],
+                      " must be in [1, block_size=", s.block_size, "]");
+    const int64_t kv_len = (num_pages - 1) * s.block_size + last[b];
+    longest = std::max(longest, kv_len);
+    for (int64_t i = qo[b]; i < qo[b + 1]; ++i)
+      TORCH_CHECK_INDEX(pos[i] >= 0 && pos[i] < kv_len, "sparse_attention: q_pos[", i, "] = ", pos[i],
+                        " is outside sequence ", b, "'s ", kv_len, " KV tokens");
+    for (int64_t p = kvp[b]; p < kvp[b + 1]; ++p)
+      TORCH_CHECK_INDEX(pages[p] >= 0 && pages[p] < s.num_cache_blocks, "sparse_attention: kv_indices[", p, "] = ",
+                        pages[p], " is outside the cache's ", s.num_cache_blocks, " blocks");
+  }
+  s.max_kv_len = longest;
   return s;
 }
 
 namespace {
 
-constexpr int64_t kQueryTile = 64;  // queries per task: their G heads form the rows of a GEMM
-constexpr int64_t kKeyChunk = 1024;  // keys gathered from the paged cache per step
+constexpr int64_t kKeyChunk = 256;     // keys per step (S buffer: rows x 256 floats)
+constexpr int64_t kGemmRows = 256;     // (query, head) rows per GEMM task
+constexpr int64_t kRowAlign = 16;      // GEMM rows and key columns padded to multiples of these, so
+constexpr int64_t kKeyAlign = 32;      // brgemm sees few distinct shapes (each is JIT-compiled once)
+constexpr int64_t kDirectRows = 8;     // up to this many (query, head) rows per task: direct path
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Which key chunks some query of the tile can see (causal, optional window): the chunks the
-// task computes. Everything else is skipped: this is what makes the op block-sparse.
-std::vector<int64_t> needed_chunks(const int64_t* rows_index, int64_t n, int64_t window) {
-  const int64_t hi = *std::max_element(rows_index, rows_index + n);
-  std::vector<char> need(hi / kKeyChunk + 1, window <= 0 ? 1 : 0);
-  if (window > 0)
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t lo = std::max<int64_t>(0, rows_index[i] - window + 1);
-      for (int64_t c = lo / kKeyChunk; c <= rows_index[i] / kKeyChunk; ++c) need[c] = 1;
-    }
-  std::vector<int64_t> out;
-  for (int64_t c = 0; c < static_cast<int64_t>(need.size()); ++c)
-    if (need[c]) out.push_back(c);
-  return out;
+// ---- SIMD building blocks (GCC vector extensions; the callers are target_clones) -----------
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+constexpr int64_t kW = 16;
+
+inline vf16 load(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+inline vf16 splat(float x) { return vf16{} + x; }
+inline float hmax(vf16 v) {
+  float m = v[0];
+  for (int i = 1; i < kW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < kW; ++i) s += v[i];
+  return s;
 }
 
-template <typename scalar_t>
-void attend_cpu(const SparseAttentionShape& s, const at::Tensor& qf, const std::vector<int64_t>& qidx,
-                const std::vector<int64_t>& order, const std::vector<int64_t>& table, const scalar_t* kc,
-                const scalar_t* vc, float* out, float* lse) {
-  const int64_t Hkv = s.num_kv_heads, G = s.num_q_heads / s.num_kv_heads, D = s.head_dim, bs = s.block_size;
-  const int64_t tiles = (s.num_queries + kQueryTile - 1) / kQueryTile;
-  const float scale = static_cast<float>(s.scale), cap = static_cast<float>(s.logit_cap);
-  const float* q = qf.data_ptr<float>();
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::parallel_for(0, Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor Q = at::empty({kQueryTile * G, D}, f32), K = at::empty({kKeyChunk, D}, f32),
-               V = at::empty({kKeyChunk, D}, f32), O = at::empty({kQueryTile * G, D}, f32);
-    at::Tensor shift_buf = at::empty({kQueryTile * G}, f32), alpha_buf = at::empty({kQueryTile * G}, f32);
-    std::vector<float> m(kQueryTile * G), l(kQueryTile * G);
-    std::vector<int64_t> rows_index(kQueryTile);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % Hkv, t = task / Hkv;
-      const int64_t first = t * kQueryTile, nq = std::min(kQueryTile, s.num_queries - first), rows = nq * G;
-      float* Qp = Q.data_ptr<float>();
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t qi = order[first + i];
-        rows_index[i] = qidx[qi];
-        std::copy_n(q + (qi * s.num_q_heads + h * G) * D, G * D, Qp + i * G * D);
-      }
-      std::fill(m.begin(), m.end(), -kInf);
-      std::fill(l.begin(), l.end(), 0.f);
-      O.zero_();
-      const at::Tensor Qrows = Q.narrow(0, 0, rows);
-      for (int64_t c : needed_chunks(rows_index.data(), nq, s.window)) {
-        const int64_t c0 = c * kKeyChunk, n = std::min(kKeyChunk, s.num_kv_tokens - c0);
-        if (n <= 0) break;
-        float* Kp = K.data_ptr<float>();
-        float* Vp = V.data_ptr<float>();
-        for (int64_t j = 0; j < n; ++j) {  // gather this head's rows from the paged cache
-          const int64_t tok = c0 + j, off = ((table[tok / bs] * bs + tok % bs) * Hkv + h) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            Kp[j * D + d] = static_cast<float>(kc[off + d]);
-            Vp[j * D + d] = static_cast<float>(vc[off + d]);
-          }
+// exp(x) for x <= 0 (Cephes' expf: 2^k * p(r), |rel err| ~ 1e-7); x < -87.3 (and -inf) -> 0.
+inline vf16 vexp(vf16 x) {
+  const vi16 underflow = x < splat(-87.3f);
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  const vf16 shifted = x * splat(1.44269504088896341f) + splat(12582912.0f);  // round to nearest
+  const vf16 k = shifted - splat(12582912.0f);
+  const vf16 r = x - k * splat(0.693359375f) - k * splat(-2.12194440e-4f);
+  vf16 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  vi16 ki;
+  std::memcpy(&ki, &shifted, sizeof ki);
+  const vi16 bits = ((ki - 0x4b400000) + 127) << 23;
+  vf16 pow2;
+  std::memcpy(&pow2, &bits, sizeof pow2);
+  const vf16 out = y * pow2;
+  return underflow ? splat(0.f) : out;
+}
+
+inline float row_max(const float* s, int64_t n) {
+  vf16 m = splat(-kInf);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const vf16 v = load(s + j);
+    m = v > m ? v : m;
+  }
+  float r = hmax(m);
+  for (; j < n; ++j) r = std::max(r, s[j]);
+  return r;
+}
+
+// s[j] = exp(s[j] - shift); returns the sum.
+inline float exp_sum(float* s, int64_t n, float shift) {
+  vf16 acc = splat(0.f);
+  const vf16 sh = splat(shift);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) {
+    const vf16 e = vexp(load(s + j) - sh);
+    store(s + j, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) {
+    s[j] = s[j] == -kInf ? 0.f : std::exp(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+inline void scale_row(float* o, int64_t d, float a) {
+  int64_t i = 0;
+  for (; i + kW <= d; i += kW) store(o + i, load(o + i) * splat(a));
+  for (; i < d; ++i) o[i] *= a;
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  vf16 acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kW <= d; i += kW) acc += load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* o, float p, const float* v, int64_t d) {
+  int64_t i = 0;
+  const vf16 pv = splat(p);
+  for (; i + kW <= d; i += kW) store(o + i, load(o + i) + pv * load(v + i));
+  for (; i < d; ++i) o[i] += p * v[i];
+}
+
+// ---- the batch: sequences, rows in position order, tasks -----------------------------------
+struct Batch {
+  int64_t G, D, Hq, Hkv, bs, window;
+  float scale, cap;
+  std::vector<int64_t> qo, kvp, pages, last, pos;
+  std::vector<int64_t> order;  // row ids, each sequence's rows sorted by position
+  int64_t kv_len(int64_t b) const { return (kvp[b + 1] - kvp[b] - 1) * bs + last[b]; }
+  // Element offset of token `tok` of sequence b, KV head h, in a cache.
+  int64_t offset(int64_t b, int64_t tok, int64_t h) const {
+    return ((pages[kvp[b] + tok / bs] * bs + tok % bs) * Hkv + h) * D;
+  }
+};
+
+struct Task {
+  int64_t seq, head, first, count;  // rows order[first .. first + count) of sequence seq
+  bool direct;
+};
+
+// Per-thread work buffers.
+struct Scratch {
+  std::vector<float> q, kt, v, s, o, m, l, row;
+  explicit Scratch(int64_t D) : kt(D * kKeyChunk), v(kKeyChunk * D), row(D) {
+    const int64_t rows = std::max(kGemmRows + kRowAlign, kDirectRows);
+    q.resize(rows * D);
+    s.resize(rows * kKeyChunk);
+    o.resize(rows * D);
+    m.resize(rows);
+    l.resize(rows);
+  }
+};
+
+// Keys [lo, hi] some row of the task sees, and the mask of row r within a chunk [c0, c0 + n).
+struct KeyRange {
+  int64_t lo, hi;
+};
+
+KeyRange task_range(const Batch& bt, const Task& t) {
+  const int64_t pmin = bt.pos[bt.order[t.first]], pmax = bt.pos[bt.order[t.first + t.count - 1]];
+  return {bt.window > 0 ? std::max<int64_t>(0, pmin - bt.window + 1) : 0, pmax};
+}
+
+// Masks keys outside row r's range [pos - window + 1, pos] (and the padding columns n .. width),
+// applies the logit cap, and runs the online-softmax update of that row: row r's logits,
+// s[r * ld .. + width), become its probabilities.
+SAMCACHE_SIMD_CLONES
+void softmax_rows(const Batch& bt, const Task& t, int64_t c0, int64_t n, int64_t width, int64_t ld, float* s, float* o,
+                  float* m, float* l) {
+  const int64_t rows = t.count * bt.G;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = bt.pos[bt.order[t.first + r / bt.G]];
+    float* sr = s + r * ld;
+    const int64_t first = bt.window > 0 ? std::clamp<int64_t>(p - bt.window + 1 - c0, 0, n) : 0;
+    const int64_t last = std::clamp<int64_t>(p - c0 + 1, 0, n);
+    if (bt.cap > 0)
+      for (int64_t j = first; j < last; ++j) sr[j] = bt.cap * std::tanh(sr[j] / bt.cap);
+    std::fill(sr, sr + first, -kInf);
+    std::fill(sr + std::max(first, last), sr + width, -kInf);
+    if (last <= first) {  // nothing visible in this chunk
+      std::fill(sr, sr + width, 0.f);
+      continue;
+    }
+    const float m_new = std::max(m[r], row_max(sr + first, last - first));
+    const float alpha = m[r] == -kInf ? 0.f : std::exp(m[r] - m_new);
+    const float sum = exp_sum(sr, width, m_new);
+    l[r] = l[r] * alpha + sum;
+    m[r] = m_new;
+    if (alpha != 1.f) scale_row(o + r * bt.D, bt.D, alpha);
+  }
+}
+
+// Gathers keys [c0, c0 + n) of (seq, head) as float: K transposed into kt [D x kKeyChunk] and V
+// into v [np x D], the columns / rows from n to np zeroed.
+template <typename T>
+SAMCACHE_SIMD_CLONES void gather_chunk(const Batch& bt, const Task& t, const T* kc, const T* vc, int64_t c0, int64_t n,
+                                       int64_t np, float* kt, float* v) {
+  const int64_t D = bt.D;
+  float tile[kW * 256];  // up to 16 keys x head_dim 256, then transposed into kt
+  for (int64_t j0 = 0; j0 < np; j0 += kW) {
+    const int64_t w = std::min(kW, np - j0);
+    for (int64_t j = 0; j < w; ++j) {
+      float* trow = tile + j * D;
+      float* vrow = v + (j0 + j) * D;
+      if (j0 + j < n) {
+        const int64_t off = bt.offset(t.seq, c0 + j0 + j, t.head);
+        for (int64_t d = 0; d < D; ++d) {
+          trow[d] = to_float(kc[off + d]);
+          vrow[d] = to_float(vc[off + d]);
         }
-        // Logits, then the softmax update, on whole [rows, n] tensors: ATen's vectorised
-        // exp/tanh/amax/sum (scalar loops over every logit dominated small problems).
-        at::Tensor S = Qrows.mm(K.narrow(0, 0, n).t());  // [rows, n]
-        if (cap > 0) {
-          S.mul_(scale / cap).tanh_().mul_(cap);
-        } else {
-          S.mul_(scale);
-        }
-        float* Sp = S.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r) {  // keys outside [lo, qi] are two contiguous runs
-          const int64_t qi = rows_index[r / G];
-          const int64_t lo = s.window > 0 ? qi - s.window + 1 : 0;
-          const int64_t first = std::clamp<int64_t>(lo - c0, 0, n), last = std::clamp<int64_t>(qi - c0 + 1, 0, n);
-          float* srow = Sp + r * n;
-          std::fill(srow, srow + first, -kInf);
-          std::fill(srow + std::max(first, last), srow + n, -kInf);
-        }
-        const at::Tensor chunk_max = S.amax(1);
-        const float* cm = chunk_max.data_ptr<float>();
-        float* shift = shift_buf.data_ptr<float>();
-        float* alpha = alpha_buf.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r) {
-          const float m_new = std::max(m[r], cm[r]);
-          alpha[r] = m_new == -kInf ? 1.f : std::exp(m[r] - m_new);  // exp(-inf) = 0 on first sight
-          shift[r] = m_new == -kInf ? 0.f : m_new;  // all-masked rows: exp(-inf - 0) = 0, not NaN
-          m[r] = m_new;
-        }
-        S.sub_(shift_buf.narrow(0, 0, rows).unsqueeze(1)).exp_();  // P, unnormalised
-        const at::Tensor row_sum = S.sum(1);
-        const float* rs = row_sum.data_ptr<float>();
-        float* Op = O.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r) {
-          l[r] = l[r] * alpha[r] + rs[r];
-          if (alpha[r] != 1.f)
-            for (int64_t d = 0; d < D; ++d) Op[r * D + d] *= alpha[r];
-        }
-        O.narrow(0, 0, rows).addmm_(S, V.narrow(0, 0, n));  // O += P @ V
-      }
-      const float* Op = O.data_ptr<float>();
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t qi = order[first + i];
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g, head = h * G + g;
-          const float inv = 1.f / l[r];
-          float* dst = out + (qi * s.num_q_heads + head) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = Op[r * D + d] * inv;
-          lse[qi * s.num_q_heads + head] = m[r] + std::log(l[r]);
-        }
+      } else {
+        std::fill(trow, trow + D, 0.f);
+        std::fill(vrow, vrow + D, 0.f);
       }
     }
-  });
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < w; ++j) kt[d * kKeyChunk + j0 + j] = tile[j * D + d];
+  }
+}
+
+template <typename T>
+void gemm_task(const Batch& bt, const Task& t, const float* qf, const T* kc, const T* vc, Scratch& sc, float* out,
+               float* lse) {
+  const int64_t D = bt.D, G = bt.G, rows = t.count * G;
+  const int64_t mp = (rows + kRowAlign - 1) / kRowAlign * kRowAlign;
+  float* Q = sc.q.data();
+  for (int64_t i = 0; i < t.count; ++i) {  // row i * G + g = query i, head head * G + g (pre-scaled)
+    const float* src = qf + (bt.order[t.first + i] * bt.Hq + t.head * G) * D;
+    for (int64_t x = 0; x < G * D; ++x) Q[i * G * D + x] = src[x] * bt.scale;
+  }
+  std::fill(Q + rows * D, Q + mp * D, 0.f);
+  std::fill(sc.o.begin(), sc.o.begin() + mp * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -kInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const KeyRange range = task_range(bt, t);
+  for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
+    const int64_t np = (n + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
+    gather_chunk(bt, t, kc, vc, c0, n, np, sc.kt.data(), sc.v.data());
+    at::native::cpublas::brgemm(mp, np, D, D, kKeyChunk, kKeyChunk, false, Q, sc.kt.data(), sc.s.data(), false);
+    softmax_rows(bt, t, c0, n, np, kKeyChunk, sc.s.data(), sc.o.data(), sc.m.data(), sc.l.data());
+    at::native::cpublas::brgemm(mp, D, np, kKeyChunk, D, D, true, sc.s.data(), sc.v.data(), sc.o.data(), false);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = bt.order[t.first + r / G], head = t.head * G + r % G;
+    const float inv = 1.f / sc.l[r];
+    float* dst = out + (row * bt.Hq + head) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = sc.o[r * D + d] * inv;
+    lse[row * bt.Hq + head] = sc.m[r] + std::log(sc.l[r]);
+  }
+}
+
+template <typename T>
+SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const float* qf, const T* kc, const T* vc,
+                                      Scratch& sc, float* out, float* lse) {
+  const int64_t D = bt.D, G = bt.G, rows = t.count * G;
+  float* Q = sc.q.data();
+  for (int64_t i = 0; i < t.count; ++i) {
+    const float* src = qf + (bt.order[t.first + i] * bt.Hq + t.head * G) * D;
+    for (int64_t x = 0; x < G * D; ++x) Q[i * G * D + x] = src[x] * bt.scale;
+  }
+  float* O = sc.o.data();
+  std::fill(O, O + rows * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -kInf);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  float* S = sc.s.data();
+  float* buf = sc.row.data();
+  const KeyRange range = task_range(bt, t);
+  for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t off = bt.offset(t.seq, c0 + j, t.head);
+      const float* k = nullptr;
+      if constexpr (std::is_same_v<T, float>) {
+        k = kc + off;
+      } else {
+        for (int64_t d = 0; d < D; ++d) buf[d] = to_float(kc[off + d]);
+        k = buf;
+      }
+      for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k, D);
+    }
+    softmax_rows(bt, t, c0, n, n, kKeyChunk, S, O, sc.m.data(), sc.l.data());
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t off = bt.offset(t.seq, c0 + j, t.head);
+      const float* v = nullptr;
+      if constexpr (std::is_same_v<T, float>) {
+        v = vc + off;
+      } else {
+        for (int64_t d = 0; d < D; ++d) buf[d] = to_float(vc[off + d]);
+        v = buf;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = S[r * kKeyChunk + j];
+        if (p != 0.f) axpy(O + r * D, p, v, D);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = bt.order[t.first + r / G], head = t.head * G + r % G;
+    const float inv = 1.f / sc.l[r];
+    float* dst = out + (row * bt.Hq + head) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = O[r * D + d] * inv;
+    lse[row * bt.Hq + head] = sc.m[r] + std::log(sc.l[r]);
+  }
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, const at::Tensor& q_index,
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
+                                                        const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
+                                                        const at::Tensor& kv_indices,
+                                                        const at::Tensor& kv_last_page_len,
                                                         const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                                        const at::Tensor& block_table, int64_t num_kv_tokens,
-                                                        double scale, int64_t window, double logit_cap) {
-  const SparseAttentionShape s =
-      plan_sparse_attention(q, q_index, key_cache, value_cache, block_table, num_kv_tokens, scale, window, logit_cap);
+                                                        double scale, int64_t window, double logit_cap,
+                                                        int64_t max_kv_len) {
+  const SparseAttentionShape s = plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                                       key_cache, value_cache, scale, window, logit_cap, max_kv_len);
+  TORCH_CHECK_VALUE(s.head_dim <= 256, "sparse_attention on the CPU supports head_dim up to 256, got ", s.head_dim);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor out = at::empty({s.num_queries, s.num_q_heads, s.head_dim}, f32);
-  at::Tensor lse = at::empty({s.num_queries, s.num_q_heads}, f32);
-  if (s.num_queries > 0) {
-    const at::Tensor qi = q_index.to(at::kLong).contiguous();
-    std::vector<int64_t> qidx(qi.data_ptr<int64_t>(), qi.data_ptr<int64_t>() + s.num_queries);
-    // Neighbouring queries share a tile, so a tile's chunk set stays tight.
-    std::vector<int64_t> order(s.num_queries);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return qidx[a] < qidx[b]; });
-    const at::Tensor bt = block_table.to(at::kLong).contiguous();
-    std::vector<int64_t> table(bt.data_ptr<int64_t>(), bt.data_ptr<int64_t>() + bt.numel());
-    const at::Tensor qf = q.to(at::kFloat).contiguous();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key_cache.scalar_type(), "sparse_attention_cpu", [&] {
-      attend_cpu<scalar_t>(s, qf, qidx, order, table, key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                           out.data_ptr<float>(), lse.data_ptr<float>());
-    });
+  at::Tensor out = at::empty({s.num_rows, s.num_q_heads, s.head_dim}, f32);
+  at::Tensor lse = at::empty({s.num_rows, s.num_q_heads}, f32);
+  if (s.num_rows == 0 || s.num_q_heads == 0) return {out.to(q.scalar_type()), lse};
+
+  Batch bt;
+  bt.Hq = s.num_q_heads;
+  bt.Hkv = s.num_kv_heads;
+  bt.G = s.num_q_heads / s.num_kv_heads;
+  bt.D = s.head_dim;
+  bt.bs = s.block_size;
+  bt.window = window;
+  bt.scale = static_cast<float>(scale);
+  bt.cap = static_cast<float>(logit_cap);
+  bt.qo = read_int64(qo_indptr);
+  bt.kvp = read_int64(kv_indptr);
+  bt.pages = read_int64(kv_indices);
+  bt.last = read_int64(kv_last_page_len);
+  bt.pos = read_int64(q_pos);
+  bt.order.resize(s.num_rows);
+  std::vector<Task> tasks;
+  const int64_t tile = std::max<int64_t>(1, kGemmRows / bt.G);
+  for (int64_t b = 0; b < s.num_seqs; ++b) {
+    const int64_t lo = bt.qo[b], hi = bt.qo[b + 1];
+    if (hi == lo) continue;
+    std::iota(bt.order.begin() + lo, bt.order.begin() + hi, lo);
+    std::stable_sort(bt.order.begin() + lo, bt.order.begin() + hi,
+                     [&](int64_t a, int64_t c) { return bt.pos[a] < bt.pos[c]; });
+    const bool direct = (hi - lo) * bt.G <= kDirectRows;
+    for (int64_t h = 0; h < bt.Hkv; ++h)
+      for (int64_t first = lo; first < hi; first += direct ? hi - lo : tile)
+        tasks.push_back({b, h, first, std::min(direct ? hi - lo : tile, hi - first), direct});
   }
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key_cache.scalar_type(), "sparse_attention_cpu", [&] {
+    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Scratch sc(bt.D);
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& t = tasks[i];
+        if (t.direct)
+          direct_task(bt, t, qf.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(), lse.data_ptr<float>());
+        else
+          gemm_task(bt, t, qf.data_ptr<float>(), kc, vc, sc, out.data_ptr<float>(), lse.data_ptr<float>());
+      }
+    });
+  });
   return {out.to(q.scalar_type()), lse};
 }
 

@@ -89,6 +89,26 @@ SeqId BlockPool::fork(SeqId parent) {
   return child;
 }
 
+SeqId BlockPool::share_blocks(SeqId seq, int64_t first, int64_t count) {
+  std::lock_guard lock(mu_);
+  const Sequence& src = lookup(seq);  // validates before any change
+  const auto size = static_cast<int64_t>(src.table.size());
+  if (first < 0 || count < 1 || first > size || count > size - first)
+    throw std::invalid_argument("share_blocks: blocks [" + std::to_string(first) + ", " + std::to_string(first) + " + " +
+                                std::to_string(count) + ") are not within the sequence's " + std::to_string(size) +
+                                " blocks");
+  const Key128 root = src.root;
+  const SeqId holder = create_locked(root);  // may grow seqs_: look both up again
+  const Sequence& p = lookup(seq);
+  Sequence& h = lookup(holder);
+  h.table.assign(p.table.begin() + first, p.table.begin() + first + count);
+  h.num_tokens = count * block_size_;
+  h.priority = p.priority;
+  h.cacheable = false;
+  for (BlockId b : h.table) ++blocks_[b].ref;
+  return holder;
+}
+
 void BlockPool::free_sequence(SeqId id) {
   std::lock_guard lock(mu_);
   Sequence& s = lookup(id);

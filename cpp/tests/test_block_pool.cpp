@@ -44,6 +44,34 @@ TEST(BlockPool, SlotsFollowTheBlockTable) {
   p.check_invariants();
 }
 
+TEST(BlockPool, ShareBlocksHoldsPartOfASequenceAfterItIsFreed) {
+  BlockPool p(8, 4);
+  SeqId a = p.new_sequence();
+  append_tokens(p, a, iota(14));  // blocks 0..3, the last partial; three hashed
+  auto ta = p.block_table(a);
+  SeqId h = p.share_blocks(a, 1, 2);
+  EXPECT_EQ(p.block_table(h), (std::vector<BlockId>{ta[1], ta[2]}));
+  EXPECT_EQ(p.num_tokens(h), 8);
+  EXPECT_EQ(p.refcount(ta[1]), 2);
+  EXPECT_EQ(p.refcount(ta[0]), 1);
+  p.free_sequence(a);
+  EXPECT_EQ(p.refcount(ta[1]), 1);  // still held: never evicted nor reallocated
+  EXPECT_EQ(p.refcount(ta[0]), 0);
+  EXPECT_EQ(p.evict(8), 1);  // only ta[0] was cached and unheld (ta[3] was partial: freed)
+  std::vector<int32_t> more(6 * 4 + 1);
+  std::vector<CopyPair> copies;
+  SeqId b = p.new_sequence();
+  EXPECT_THROW(p.append_slots(b, 6 * 4 + 1, more.data(), &copies), OutOfBlocks);  // 6 blocks are not held
+  p.append_slots(b, 6 * 4, more.data(), &copies);
+  p.check_invariants();
+  EXPECT_THROW(p.share_blocks(h, 1, 2), std::invalid_argument);
+  EXPECT_THROW(p.share_blocks(h, 0, 0), std::invalid_argument);
+  p.free_sequence(h);
+  p.free_sequence(b);
+  p.check_invariants();
+  EXPECT_EQ(p.num_free_blocks(), 8);
+}
+
 TEST(BlockPool, ForkSharesAndAppendCopiesOnWrite) {
   BlockPool p(8, 4);
   SeqId a = p.new_sequence();

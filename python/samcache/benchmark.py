@@ -263,7 +263,7 @@ def run_benchmark(
             "mode": mode,
             "recompute": ratio,
             "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
-            "layer_rates": engine._budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
+            "layer_rates": engine.layer_budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
             "levels": {"prefix": engine.use_prefix, "vit": engine.use_vit_cache, "image_kv": engine.use_image_kv},
             "kv_memory_bytes": {  # what this mode's engine may hold
                 "pool": engine.pool.num_blocks * engine.pool.block_size * engine.runner.kv_bytes_per_token,

@@ -133,6 +133,13 @@ class BlockPool:
         """A new sequence sharing all of ``seq``'s blocks (refcount + 1 each, nothing copied)."""
         return self._pool.fork(_check_int(seq, "seq"))
 
+    def share_blocks(self, seq: int, first: int, count: int) -> int:
+        """A new sequence holding blocks ``[first, first + count)`` of ``seq``'s table (refcount + 1
+        each, nothing copied): keeps part of a sequence's KV alive after ``seq`` is freed, e.g. one
+        image's span. It counts ``count * block_size`` tokens and is not cacheable."""
+        return self._pool.share_blocks(_check_int(seq, "seq"), _check_int(first, "first", 0),
+                                       _check_int(count, "count", 1))
+
     def free_sequence(self, seq: int) -> None:
         """Drop ``seq``'s references. Raises NotFound if it is unknown or already freed."""
         self._pool.free_sequence(_check_int(seq, "seq"))

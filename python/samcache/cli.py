@@ -69,11 +69,11 @@ def _bench(args) -> int:
     if args.fidelity_tokens < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
         print("samcache bench: --fidelity-tokens and --kv-cache-mib must be >= 1", file=sys.stderr)
         return 2
-    from samcache.engine.engine import _resolve_device, _resolve_dtype
+    from samcache.engine.loading import resolve_device, resolve_dtype
 
     try:  # before minutes of building a checkpoint for them
-        device = _resolve_device(args.device)
-        run_dtype = str(_resolve_dtype(args.dtype, device)).removeprefix("torch.")
+        device = resolve_device(args.device)
+        run_dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     except ValueError as e:
         print(f"samcache bench: --device/--dtype: {e}", file=sys.stderr)
         return 2

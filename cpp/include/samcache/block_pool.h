@@ -58,6 +58,10 @@ class BlockPool {
   SeqId new_sequence(const Key128& root = {});
   // A new sequence sharing every block of `seq` (refcounts + 1, nothing copied).
   SeqId fork(SeqId seq);
+  // A new sequence holding blocks [first, first + count) of `seq`'s table (refcounts + 1, nothing
+  // copied): keeps part of a sequence's KV alive, e.g. one image's span after its turn ends. It
+  // counts count * block_size tokens and is not cacheable (nothing it appends is hashed).
+  SeqId share_blocks(SeqId seq, int64_t first, int64_t count);
   // Drops the sequence's references. Cached blocks stay reusable until evicted.
   void free_sequence(SeqId seq);
 

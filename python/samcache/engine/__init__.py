@@ -1,32 +1,51 @@
-"""The reference engine: a model runner over Hugging Face modules with samcache's caches.
+"""The reference engine: a batched model runner over Hugging Face modules with samcache's caches.
 
-``SAMcacheEngine`` (also ``samcache.SAMcacheEngine``) is the entry point; the runner, the prompt
-builder and the stores are its parts. See docs/design.md ("The engine").
+Along the data flow: ``prompt`` / ``images`` (requests as tokens and positions), the planner
+(``samcache.reuse``), ``executor`` (a plan's stages on the pool and stores), ``batch`` + ``runner``
+(batched forward steps), ``scheduler`` (continuous batching of requests), ``api``
+(``SAMcacheEngine``: chat and sessions). ``calibration`` and ``samcache.eval`` work beside the
+serving path. See docs/design.md ("The engine").
 """
 
-from samcache.engine.engine import ChatResult, ImageKV, SAMcacheEngine, Session, model_fingerprint
-from samcache.engine.family import FAMILIES, Family, detect_family
+from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session
+from samcache.engine.batch import SequenceStep, StepBatch
+from samcache.engine.executor import Executor, Prepared, RequestOptions
+from samcache.engine.families import FAMILIES, Family, detect_family, get_family
+from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
 from samcache.engine.metrics import Fidelity, TurnMetrics
 from samcache.engine.prompt import Prompt, build_prompt
-from samcache.engine.runner import ForwardBatch, ModelRunner
+from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
+from samcache.engine.scheduler import Admission, Finished, Scheduler
 from samcache.engine.synthetic import screenshot
 
 __all__ = [
     "FAMILIES",
+    "Admission",
+    "BatchError",
+    "ChatRequest",
     "ChatResult",
+    "Executor",
     "Family",
     "Fidelity",
-    "ForwardBatch",
-    "ImageKV",
+    "Finished",
     "ModelRunner",
+    "Prepared",
     "Prompt",
+    "RequestOptions",
     "SAMcacheEngine",
     "Sampler",
+    "Scheduler",
+    "SequenceStep",
     "Session",
+    "StepBatch",
     "TurnMetrics",
     "build_prompt",
     "detect_family",
+    "get_family",
+    "load_processor",
     "model_fingerprint",
+    "resolve_device",
+    "resolve_dtype",
     "screenshot",
 ]

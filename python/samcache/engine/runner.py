@@ -1,46 +1,59 @@
-"""The model runner: Hugging Face weights, samcache's paged KV and its own layer loop.
+"""The model runner: Hugging Face weights, samcache's paged KV and its own batched layer loop.
 
-transformers' modules provide the weights and the per-token math (norms, projections, MLP / MoE
-experts, the vision tower); the runner owns the loop over layers, so it decides which tokens are
-computed at each layer. A forward step computes rows ``index`` (sequence positions) of one
-sequence: at layer ``l`` only ``layer_rows[l]`` of them (nested, shrinking with depth: the
-tokens recomputed there plus every new token). Their K/V go into the sequence's slots of the
-layer's paged cache, and their queries attend to the whole sequence through
-``torch.ops.samcache.sparse_attention``; every other position keeps the KV already in the pool
-(an adopted prefix, or an image's KV spliced in at its new positions).
+transformers' modules provide the weights and the per-token math (norms, MoE experts, the vision
+tower); the runner owns the loop over layers, so it decides which rows each layer computes. One
+forward step serves a whole :class:`StepBatch` (many sequences, prefill and decode rows mixed):
+at layer ``l`` only that layer's rows are computed (new tokens plus the recompute set, shrinking
+with depth); their K/V go into the sequences' slots of the layer's paged cache and their queries
+attend to their whole sequence through ``samcache.ops.sparse_attention``, with the step's metadata
+built once. Every other position keeps the KV already in the pool (an adopted prefix, or an
+image's KV spliced in at its new positions).
+
+On the CPU the projections and MLPs run through oneDNN (``samcache.engine.linear``), q/k/v and
+gate/up as one fused GEMM each (their weights are re-laid out once, in place, as views of one
+tensor: no second copy).
 """
 
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from samcache import ops
-from samcache.engine.family import Family
+from samcache.engine.batch import StepBatch
+from samcache.engine.families import Family
+from samcache.engine.linear import linear, onednn_linears
 from samcache.errors import UnsupportedModel
-
-
-@dataclass
-class ForwardBatch:
-    """Rows to compute in one forward step of one sequence (see the module docstring)."""
-
-    index: torch.Tensor  # int64 [M], ascending sequence positions; the last is the sequence's last token
-    embeds: torch.Tensor  # [M, hidden] layer-0 inputs
-    positions: torch.Tensor  # int64 [3, M] M-RoPE positions
-    slots: torch.Tensor  # int64 [M] KV slots
-    block_table: torch.Tensor  # int32 [blocks] of the sequence
-    num_kv_tokens: int  # tokens of the sequence with KV after this step
-    layer_rows: list[torch.Tensor | None] | None = None  # per layer, rows into M (None: all rows)
-    deepstack_rows: torch.Tensor | None = None  # int64 [M]: row of the DeepStack features, -1 for text
-    deepstack_features: list[torch.Tensor] | None = None  # per DeepStack layer [visual rows, hidden]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear layers over the same input, the layers' own
+    parameters becoming views of it (done once per model; later calls find the views)."""
+    weights = [m.weight for m in modules]
+    base = weights[0].data
+    fused = getattr(modules[0], f"_samcache_{name}", None)
+    if fused is not None:
+        return fused
+    w = torch.cat([x.data for x in weights])
+    biases = [m.bias for m in modules]
+    b = torch.cat([x.data for x in biases]) if all(x is not None for x in biases) else None
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = w[row: row + n]
+        if b is not None:
+            m.bias.data = b[row: row + n]
+        row += n
+    del base
+    modules[0].__dict__[f"_samcache_{name}"] = (w, b)
+    return w, b
 
 
 class ModelRunner:
@@ -50,16 +63,14 @@ class ModelRunner:
     def __init__(self, model_path: str | pathlib.Path, family: Family, *, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_blocks: int | None = None,
                  kv_cache_bytes: int = 256 << 20, model=None) -> None:
-        import transformers
-
         self.family = family
         self.device = device
         self.dtype = dtype
         if model is None:
-            model = getattr(transformers, family.model_class).from_pretrained(str(model_path), dtype=dtype)
+            model = family.model_class().from_pretrained(str(model_path), dtype=dtype)
             model.to(device).eval().requires_grad_(False)
-        elif type(model).__name__ != family.model_class or next(model.parameters()).dtype != dtype:
-            raise ValueError(f"a shared model must be a {family.model_class} in {dtype}")
+        elif type(model).__name__ != family.architecture or next(model.parameters()).dtype != dtype:
+            raise ValueError(f"a shared model must be a {family.architecture} in {dtype}")
         self.model = model
         self.config = model.config
         self.text = model.model.language_model
@@ -82,6 +93,10 @@ class ModelRunner:
         self.mrope_section = [int(s) for s in rotary.mrope_section]
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else -1 for t in layer_types]
+        # Fused projections: q/k/v of every layer, gate/up of dense MLPs.
+        self._qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], "qkv") for l in self.layers]
+        self._gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj], "gate_up") if hasattr(l.mlp, "gate_proj") else None
+                         for l in self.layers]
         self.block_size = block_size
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (self.kv_bytes_per_token * block_size))
@@ -89,7 +104,7 @@ class ModelRunner:
         shape = (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # One tensor per K/V for all layers: layer l's cache is the contiguous view [l], and an image's
         # KV for every layer is spliced in with one fused re-rotate-and-write call.
-        # Uninitialised: attention reads only slots a sequence has written (its first num_kv_tokens).
+        # Uninitialised: attention reads only slots a sequence has written.
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
         self.visual = model.model.visual
@@ -100,6 +115,11 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block, every layer."""
+        return self.block_size * self.kv_bytes_per_token
+
     # ---- inputs --------------------------------------------------------------------------------
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.text.embed_tokens(token_ids.to(self.device))
@@ -107,9 +127,10 @@ class ModelRunner:
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[torch.Tensor, tuple]]:
         """ViT outputs per image: (embeds [tokens, hidden], DeepStack features per layer or ())."""
-        out = self.model.model.get_image_features(
-            pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True
-        )
+        with onednn_linears(self.visual):
+            out = self.model.model.get_image_features(
+                pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True
+            )
         embeds = out.pooler_output
         deep = getattr(out, "deepstack_features", None) or []
         return [(e.to(self.dtype), tuple(f[i].to(self.dtype) for f in deep)) for i, e in enumerate(embeds)]
@@ -119,64 +140,68 @@ class ModelRunner:
         cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:, None, :])
         return cos[0], sin[0]
 
-    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        attn = layer.self_attn
+    def _project(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [m, heads, d], k and v [m, kv_heads, d] of layer ``l`` for normed inputs ``x``."""
+        attn = self.layers[l].self_attn
         m = x.shape[0]
-        q = attn.q_proj(x).view(m, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(m, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(m, self.num_kv_heads, self.head_dim)
+        w, b = self._qkv[l]
+        qkv = linear(x, w, b)
+        nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :nq].view(m, self.num_heads, self.head_dim)
+        k = qkv[:, nq: nq + nk].view(m, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nk:].view(m, self.num_kv_heads, self.head_dim)
         if self.family.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         c, s = cos[:, None, :], sin[:, None, :]
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
 
+    def _mlp(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layers[l].mlp
+        fused = self._gate_up[l]
+        if fused is None:  # MoE: the model's own block (router, experts)
+            return mlp(x[None])[0]
+        gate, up = linear(x, *fused).chunk(2, dim=-1)
+        return linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
     @torch.no_grad()
     def layer0_queries(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer-0 queries [m, heads, head_dim] of tokens with these inputs (for relevance scores)."""
         cos, sin = self.rope(positions, embeds)
-        layer = self.layers[0]
-        q, _, _ = self._qkv(layer, layer.input_layernorm(embeds), cos, sin)
+        q, _, _ = self._project(0, self.layers[0].input_layernorm(embeds), cos, sin)
         return q
 
     # ---- the layer loop ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run every layer over the batch's rows; returns float32 logits [vocab] of its last row."""
-        h = batch.embeds.to(self.dtype).clone()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run every layer over the batch's rows; returns float32 logits [num_seqs, vocab] of each
+        sequence's last row."""
+        h = batch.embeds.to(self.device, self.dtype).clone()
         cos_all, sin_all = self.rope(batch.positions, h)
-        slots_all = batch.slots.to(self.device)
-        index_all = batch.index.to(self.device)
-        table = batch.block_table.to(self.device)
-        rows_per_layer = batch.layer_rows or [None] * self.num_layers
         for l, layer in enumerate(self.layers):
-            rows = rows_per_layer[l]
+            sub = batch.layers[l] or batch.all_rows
+            rows = None if batch.layers[l] is None else sub.index
             if rows is None:
-                x, cos, sin, slots, index = h, cos_all, sin_all, slots_all, index_all
+                x, cos, sin = h, cos_all, sin_all
             else:
-                rows = rows.to(self.device)
                 x, cos, sin = h.index_select(0, rows), cos_all.index_select(0, rows), sin_all.index_select(0, rows)
-                slots, index = slots_all.index_select(0, rows), index_all.index_select(0, rows)
             attn = layer.self_attn
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
-            ops.paged_write(k, v, self.k_cache[l], self.v_cache[l], slots)
-            out, _ = ops.sparse_attention(
-                q.contiguous(), index, self.k_cache[l], self.v_cache[l], table, batch.num_kv_tokens,
-                scale=float(attn.scaling), window=self.windows[l],
-            )
-            x = x + attn.o_proj(out.reshape(x.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x)[None])[0]
+            q, k, v = self._project(l, layer.input_layernorm(x), cos, sin)
+            ops.paged_write(k, v, self.k_cache[l], self.v_cache[l], sub.slots)
+            out, _ = ops.sparse_attention(q, sub.meta, self.k_cache[l], self.v_cache[l],
+                                          scale=float(attn.scaling), window=self.windows[l])
+            x = x + linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            x = x + self._mlp(l, layer.post_attention_layernorm(x))
             if batch.deepstack_features is not None and l < len(batch.deepstack_features):
-                feat_rows = batch.deepstack_rows if rows is None else batch.deepstack_rows.index_select(0, rows.cpu())
-                visual = torch.nonzero(feat_rows >= 0).flatten()
+                visual = torch.nonzero(sub.deepstack_rows >= 0).flatten()
                 if visual.numel():
                     x = x.clone()
-                    x[visual.to(self.device)] += batch.deepstack_features[l][feat_rows[visual].to(self.device)]
+                    x[visual] += batch.deepstack_features[l][sub.deepstack_rows[visual]]
             if rows is None:
                 h = x
             else:
                 h.index_copy_(0, rows, x)
-        last = self.text.norm(h[-1:])
-        return self.lm_head(last)[0].float()
+        last = self.text.norm(h.index_select(0, batch.logit_rows))
+        return linear(last, self.lm_head.weight, self.lm_head.bias).float()
 
     # ---- the paged caches of all layers ---------------------------------------------------------
     def slots_for(self, block_table: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -197,30 +222,44 @@ class ModelRunner:
         flat = [c.view(-1, *c.shape[2:]) for c in (self.k_cache, self.v_cache)]
         ops.copy_blocks(flat, (pairs[None] + offsets).reshape(-1, 2))
 
-    def gather_kv(self, block_table: np.ndarray, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, len(index), kv_heads, head_dim] of sequence positions ``index``."""
-        slots = self.slot_tensor(block_table, index)
+    def _all_layers(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots of every layer in the flat [layers * blocks * block_size] view, layer-major."""
+        per_layer = self.num_blocks * self.block_size
+        return (slots[None, :] + torch.arange(self.num_layers, device=self.device)[:, None] * per_layer).reshape(-1)
+
+    def gather_kv(self, slots: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, len(slots), kv_heads, head_dim] at these slots."""
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
         return self.k_cache.view(shape)[:, slots], self.v_cache.view(shape)[:, slots]
 
-    def layer_keys(self, layer: int, block_table: np.ndarray, index: np.ndarray) -> torch.Tensor:
-        """K [len(index), kv_heads, head_dim] of one layer at sequence positions ``index``."""
-        return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[self.slot_tensor(block_table, index)]
+    def layer_keys(self, layer: int, slots: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """K [len(slots), kv_heads, head_dim] of one layer at these slots."""
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
-    def splice(self, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, block_table: np.ndarray,
-               index: np.ndarray) -> None:
-        """Write cached K/V [layers, n, kv_heads, head_dim] into sequence positions ``index`` of
-        every layer in one fused call, the keys re-rotated by M-RoPE ``delta`` [3, n]."""
-        n = len(index)
-        per_layer = self.num_blocks * self.block_size
-        slots = (self.slot_tensor(block_table, index)[None, :]
-                 + torch.arange(self.num_layers, device=self.device)[:, None] * per_layer).reshape(-1)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: np.ndarray | torch.Tensor) -> None:
+        """Write K/V [layers, n, kv_heads, head_dim] at these slots of every layer."""
+        flat = self._all_layers(torch.as_tensor(slots, dtype=torch.int64, device=self.device))
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(shape).index_copy_(0, flat, k.reshape(shape))
+        self.v_cache.view(shape).index_copy_(0, flat, v.reshape(shape))
+
+    def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, delta: int) -> None:
+        """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer, the keys re-rotated by
+        ``delta`` M-RoPE positions (all three axes), in one fused call for all layers."""
+        n = len(src_slots)
+        if not n:
+            return
+        src = self._all_layers(torch.as_tensor(src_slots, dtype=torch.int64, device=self.device))
+        dst = self._all_layers(torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device))
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = self.k_cache.view(shape).index_select(0, src)  # a copy: the op refuses views of its cache
+        deltas = torch.full((3, keys.shape[0]), int(delta), dtype=torch.int64, device=self.device)
         flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        ops.rope_rerotate_write(k.reshape(self.num_layers * n, self.num_kv_heads, self.head_dim),
-                                delta.repeat(1, self.num_layers).to(self.device), self.inv_freq,
-                                self.family.rope_style, self.mrope_section, flat_k, slots)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-            0, slots, v.reshape(self.num_layers * n, self.num_kv_heads, self.head_dim))
+        ops.rope_rerotate_write(keys, deltas, self.inv_freq, self.family.rope_style, self.mrope_section, flat_k, dst)
+        values = self.v_cache.view(shape)
+        values.index_copy_(0, dst, values.index_select(0, src))
 
 
-__all__ = ["ForwardBatch", "ModelRunner"]
+__all__ = ["ModelRunner"]

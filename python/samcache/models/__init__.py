@@ -36,25 +36,16 @@ def build_preset(family: str, preset: str, out_dir, *, dtype: str | None = None,
     return build_tiny_model(family, out_dir, seed=seed, **sizes)
 
 
-MODEL_CLASSES = {
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-}
-
-
 def model_class(family: str):
     """The transformers model class of ``family`` (e.g. for ``from_pretrained``)."""
-    if family not in MODEL_CLASSES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    import transformers
+    from samcache.engine.families import get_family
 
-    return getattr(transformers, MODEL_CLASSES[family])
+    return get_family(family).model_class()
 
 
 __all__ = [
     "DEFAULTS",
     "FAMILIES",
-    "MODEL_CLASSES",
     "PRESETS",
     "SPECIAL_TOKENS",
     "SPECIAL_TOKEN_IDS",

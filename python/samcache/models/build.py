@@ -67,9 +67,11 @@ import dataclasses
 import pathlib
 from typing import Any
 
+from samcache.engine.families import FAMILIES as _REGISTRY
+from samcache.engine.loading import load_processor  # noqa: F401  (re-exported: builders load what they wrote)
 from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl_moe")
+FAMILIES = tuple(_REGISTRY)  # the family names of samcache.engine.families
 
 _VOCAB_SIZE = 1088  # TOKENIZER_SIZE (1038) rounded up to a multiple of 64
 
@@ -508,59 +510,3 @@ def _prod(shape) -> int:
     return n
 
 
-_NO_VIDEO_CLASSES: dict[str, type] = {}
-
-
-def _no_video_processor_class(family: str) -> type:
-    """The family's processor class, accepting ``video_processor=None`` (images and text only)."""
-    if family not in _NO_VIDEO_CLASSES:
-        *_, processor_cls, _ = _classes(family)
-
-        class NoVideo(processor_cls):
-            def check_argument_for_proper_class(self, argument_name, argument):
-                if argument_name == "video_processor" and argument is None:
-                    return None
-                return super().check_argument_for_proper_class(argument_name, argument)
-
-            def __call__(self, images=None, text=None, videos=None, **kwargs):
-                if videos is not None and self.video_processor is None:
-                    raise ValueError("this processor was loaded without torchvision and cannot process videos")
-                return super().__call__(images=images, text=text, **kwargs)
-
-        # Keeps processor_class (to_dict) and messages identical to the real class.
-        NoVideo.__name__ = NoVideo.__qualname__ = processor_cls.__name__
-        _NO_VIDEO_CLASSES[family] = NoVideo
-    return _NO_VIDEO_CLASSES[family]
-
-
-def load_processor(path):
-    """Load the processor of a checkpoint directory offline.
-
-    ``transformers.AutoProcessor.from_pretrained(path)`` where torchvision is usable (it needs it
-    for the Qwen video processor); otherwise the same processor class, built from the same files
-    (tokenizer, ``Qwen2VLImageProcessorPil``, chat template) without a video processor: images and
-    text work as with AutoProcessor, video inputs raise ``ValueError``.
-    """
-    import json
-
-    from transformers.utils import is_torchvision_available
-
-    path = pathlib.Path(path)
-    if is_torchvision_available():
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(path)
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
-
-    processor_class = json.loads((path / "processor_config.json").read_text())["processor_class"]
-    family = {"Qwen2_5_VLProcessor": "qwen2_5_vl", "Qwen3VLProcessor": "qwen3_vl_moe"}.get(processor_class)
-    if family is None:
-        raise ValueError(f"{path} holds a {processor_class}, not one of the tiny Qwen-VL families")
-    cfg = json.loads((path / "processor_config.json").read_text())["image_processor"]
-    cfg = {k: v for k, v in cfg.items() if k not in ("image_processor_type", "processor_class")}
-    image_processor = Qwen2VLImageProcessorPil(**cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    return _no_video_processor_class(family)(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
-    )

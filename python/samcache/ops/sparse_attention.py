@@ -1,64 +1,125 @@
-"""sparse_attention: block-sparse recompute attention.
+"""sparse_attention: attention of query rows at any positions of many sequences, in one call.
 
-When samcache reuses cached KV, only a few tokens are computed: the new ones and the 2-5%
-selected for recompute. Their queries, at their own sequence indices, attend to the whole
-paged KV of the sequence (reused + recomputed + new). The cost falls with the number of
-queries, and key chunks no query can see (beyond its index or outside a sliding window) are
-never touched.
+When samcache reuses cached KV, only a few tokens of a prompt are computed: the new ones and the
+2-5% selected for recompute. Their queries, at their own positions, attend to the whole paged KV
+of their sequence (reused + recomputed + new). Decode steps are the same thing with one row per
+sequence. One call serves a whole batch of sequences; the cost falls with the number of query
+rows, and key chunks no row can see (beyond its position, outside a sliding window) are never
+touched.
+
+The batch is described by FlashInfer-style metadata (:class:`AttentionMetadata`), built once per
+step and shared by every layer: ``qo_indptr`` (rows of each sequence), ``q_pos`` (each row's
+position), ``kv_indptr`` / ``kv_indices`` (each sequence's pages) and ``kv_last_page_len``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @torch.library.register_fake("samcache::sparse_attention")
-def _sparse_attention_fake(q, q_index, key_cache, value_cache, block_table, num_kv_tokens, scale, window=-1, logit_cap=0.0):
-    torch._check(q.dim() == 3, lambda: "q must be [num_queries, num_q_heads, head_dim]")
+def _sparse_attention_fake(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, key_cache, value_cache,
+                           scale, window=-1, logit_cap=0.0, max_kv_len=-1):
+    torch._check(q.dim() == 3, lambda: "q must be [num_rows, num_q_heads, head_dim]")
     torch._check(key_cache.dim() == 4, lambda: "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim]")
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each query row of a batch sits and which pages each sequence holds (all int32, on the
+    caches' device). Build it once per step (:meth:`build`); every layer reuses it."""
+
+    q_pos: torch.Tensor  # [T] position of each row in its sequence
+    qo_indptr: torch.Tensor  # [B+1] rows of sequence b: [qo_indptr[b], qo_indptr[b+1])
+    kv_indptr: torch.Tensor  # [B+1] pages of sequence b: kv_indices[kv_indptr[b]: kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [P] cache blocks
+    kv_last_page_len: torch.Tensor  # [B] tokens in each sequence's last page
+    max_kv_len: int  # the longest sequence
+
+    @classmethod
+    def build(cls, positions: Sequence[np.ndarray], block_tables: Sequence[np.ndarray], kv_lens: Sequence[int],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """One sequence per entry: its query rows' positions, its block table (at least
+        ``ceil(kv_len / block_size)`` blocks; extra entries are ignored) and its KV length."""
+        if not (len(positions) == len(block_tables) == len(kv_lens)):
+            raise ValueError(f"positions, block_tables and kv_lens need one entry per sequence, got "
+                             f"{len(positions)}, {len(block_tables)} and {len(kv_lens)}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        pages, pos = [], []
+        qo, kvp, last = [0], [0], []
+        for b, (p, table, n) in enumerate(zip(positions, block_tables, kv_lens)):
+            n = int(n)
+            used = -(-n // block_size)
+            table = np.asarray(table)
+            if n < 0 or table.size < used:
+                raise ValueError(f"sequence {b}: {n} KV tokens need {used} blocks, its block table has {table.size}")
+            pages.append(table[:used])
+            pos.append(np.asarray(p))
+            qo.append(qo[-1] + int(np.asarray(p).size))
+            kvp.append(kvp[-1] + used)
+            last.append(n - (used - 1) * block_size if used else 0)
+
+        def tensor(values) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device)
+
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
+        return cls(q_pos=tensor(cat(pos)), qo_indptr=tensor(qo), kv_indptr=tensor(kvp), kv_indices=tensor(cat(pages)),
+                   kv_last_page_len=tensor(last), max_kv_len=max((int(n) for n in kv_lens), default=0))
+
+    def select(self, rows: torch.Tensor, rows_per_seq: Sequence[int]) -> "AttentionMetadata":
+        """The same batch restricted to ``rows`` (indices into this metadata's rows, each
+        sequence's rows in order), ``rows_per_seq`` of them per sequence."""
+        qo = torch.from_numpy(np.concatenate([[0], np.cumsum(rows_per_seq)]).astype(np.int32)).to(self.qo_indptr.device)
+        return AttentionMetadata(self.q_pos.index_select(0, rows.to(self.q_pos.device)), qo, self.kv_indptr,
+                                 self.kv_indices, self.kv_last_page_len, self.max_kv_len)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.qo_indptr.numel()) - 1
+
+
 def sparse_attention(
     q: torch.Tensor,
-    q_index: torch.Tensor,
+    meta: AttentionMetadata,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_kv_tokens: int,
     *,
     scale: float | None = None,
     window: int = -1,
     logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` (queries at sequence indices ``q_index``) against one sequence's paged KV.
+    """Attention of the batch's query rows against their sequences' paged KV.
 
-    q: ``[num_queries, num_q_heads, head_dim]`` (float32/float16/bfloat16).
-    q_index: int32/int64 ``[num_queries]``, each query's token index in the sequence; its own
-        K/V must already be in the cache. Query i sees keys ``j <= q_index[i]`` (and
-        ``j > q_index[i] - window`` when ``window > 0``).
+    q: ``[num_rows, num_q_heads, head_dim]`` (float32/float16/bfloat16), rows grouped by
+        sequence as ``meta.qo_indptr`` says; each row's own K/V must already be in the cache.
+        Row i sees keys ``j <= q_pos[i]`` of its sequence (and ``j > q_pos[i] - window`` when
+        ``window > 0``).
     key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
         ``num_q_heads`` must be a multiple of ``num_kv_heads`` (GQA).
-    block_table: int32/int64 blocks of the sequence; tokens ``0 .. num_kv_tokens-1`` are used.
     scale: logit scale, default ``1/sqrt(head_dim)``. logit_cap > 0: ``cap * tanh(logit / cap)``.
 
-    Returns ``(out [num_queries, num_q_heads, head_dim] in q's dtype, lse [num_queries,
-    num_q_heads] float32)``, lse being the natural log of the softmax denominator, so partial
-    results over disjoint key sets can be merged.
+    Returns ``(out [num_rows, num_q_heads, head_dim] in q's dtype, lse [num_rows, num_q_heads]
+    float32)``, lse being the natural log of the softmax denominator, so partial results over
+    disjoint key sets can be merged.
     """
-    for name, t in (("q", q), ("q_index", q_index), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("block_table", block_table)):
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if isinstance(num_kv_tokens, bool) or not isinstance(num_kv_tokens, int):
-        raise TypeError(f"num_kv_tokens must be an int, got {type(num_kv_tokens).__name__}")
+    if not isinstance(meta, AttentionMetadata):
+        raise TypeError(f"meta must be an AttentionMetadata (AttentionMetadata.build(...)), got {type(meta).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.samcache.sparse_attention(
-        q, q_index, key_cache, value_cache, block_table, num_kv_tokens, float(scale), int(window), float(logit_cap)
+        q, meta.q_pos, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, key_cache, value_cache,
+        float(scale), int(window), float(logit_cap), int(meta.max_kv_len),
     )
 
 
-__all__ = ["sparse_attention"]
+__all__ = ["AttentionMetadata", "sparse_attention"]

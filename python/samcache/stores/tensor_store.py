@@ -1,4 +1,4 @@
-"""Byte-bounded stores of per-image tensors (ViT outputs, position-independent image KV).
+"""A byte-bounded store of per-image tensors (ViT outputs).
 
 The ContentIndex decides what stays (namespaced keys, byte bound, priority + LRU eviction); this
 class keeps the payloads it points at and drops them when the index evicts them. Every entry

@@ -1,0 +1,465 @@
+"""SAMcacheEngine: the chat and session API over the executor, the scheduler and the stores.
+
+A turn goes: messages checked, images decoded and hashed, prompt tokens and M-RoPE positions
+built (``prompt.py``) -> the executor adopts the exact prefix, looks images up, asks the planner
+for the reuse plan, splices known images' KV in and describes the rows to compute
+(``executor.py``, ``samcache.reuse``) -> the scheduler runs batched forward steps, prefill and
+decode rows of many requests mixed (``scheduler.py``, ``runner.py``) -> what was computed is
+kept for the next turns (image KV held in pool blocks, ViT outputs). Calibration
+(``calibration.py``) and fidelity (``samcache.eval``) run beside the serving path on their own
+state. docs/design.md explains the plan.
+
+Threads: an engine may be called from several threads; each call holds the engine's lock for its
+whole run, so calls are served one after another. To serve requests together, pass them to one
+:meth:`SAMcacheEngine.chat_batch` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
+from samcache.block_pool import BlockPool
+from samcache.engine.executor import Executor, Prepared, RequestOptions
+from samcache.engine.families import detect_family
+from samcache.engine.images import ImageGeometry, prepare_image, preprocess_params
+from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
+from samcache.engine.metrics import TurnMetrics
+from samcache.engine.prompt import Prompt, build_prompt, normalize_messages, user_message
+from samcache.engine.runner import ModelRunner
+from samcache.engine.sampling import Sampler
+from samcache.engine.scheduler import Admission, Finished, Scheduler
+from samcache.errors import PromptTooLong
+from samcache.eval.fidelity import measure_fidelity
+from samcache.hashing import Namespace
+from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
+from samcache.reuse import RecomputeBudget
+from samcache.stores import ImageKVStore, TensorStore
+
+
+@dataclass
+class Session:
+    """A conversation: the engine renders its whole history each turn (prefix reuse makes the
+    repeated part cheap). ``messages`` uses the chat format of :meth:`SAMcacheEngine.chat`."""
+
+    messages: list[dict] = field(default_factory=list)
+    tenant: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    """One request of :meth:`SAMcacheEngine.chat_batch`; the fields are :meth:`SAMcacheEngine.chat`'s."""
+
+    images: Sequence[Any] | None = None
+    prompt: str | None = None
+    messages: Sequence[dict] | None = None
+    session: Session | None = None
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    tenant: str | None = None
+    fidelity: bool = False
+    fidelity_tokens: int = 8
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class ChatResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-turn token) or "length"
+    metrics: TurnMetrics
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class BatchError(RuntimeError):
+    """Some requests of a :meth:`SAMcacheEngine.chat_batch` call failed; ``results`` holds every
+    request's :class:`ChatResult` or exception, in order."""
+
+    def __init__(self, results: list) -> None:
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        super().__init__(f"{len(failed)} of {len(results)} requests failed; the first, request {failed[0][0]}: "
+                         f"{type(failed[0][1]).__name__}: {failed[0][1]}")
+        self.results = results
+
+
+class SAMcacheEngine:
+    """A multimodal chat engine that never encodes or prefills a known image twice.
+
+    >>> engine = SAMcacheEngine("/path/to/Qwen2.5-VL-checkpoint")
+    >>> r1 = engine.chat(images=["diagram.png"], prompt="Explain this architecture diagram.")
+    >>> r2 = engine.chat(images=["diagram.png"], prompt="Where does the data flow?")  # reuses it
+    >>> r2.text, r2.metrics.ttft_s, r2.metrics.image_reused_tokens
+
+    Cache levels (each can be switched off; ``cache_enabled=False`` switches off all three):
+    ``vit_cache`` (vision-tower outputs by image content), ``prefix_cache`` (exact token prefix,
+    images keyed by content; only KV equal to a full prefill's enters it) and ``image_kv_cache``
+    (an image's KV reused at any position, RoPE re-rotated, with ``recompute_ratio`` of its tokens
+    recomputed, split across layers by ``recompute_budget``: ``"layer-aware"`` solves per-layer
+    rates from sensitivity curves (:meth:`calibrate`, or ``sensitivity=`` curves / a JSON path),
+    ``"uniform"`` uses the same rate at every layer).
+
+    Memory: ``kv_cache_bytes`` sizes the paged KV pool. Images' KV stays in the pool's blocks
+    (held once, never copied beside them), at most ``image_kv_cache_bytes`` of it (default: the
+    pool); when a prompt needs blocks, the least recently used images are released first.
+    ``max_step_tokens`` bounds the rows of one forward step (continuous batching in
+    :meth:`chat_batch`).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        cache_enabled: bool = True,
+        compression_enabled: bool = False,
+        recompute_ratio: float = 0.05,
+        recompute_budget: str = "layer-aware",
+        sensitivity: SensitivityCurves | str | os.PathLike | None = None,
+        head_fraction: float = 0.1,
+        track2_share: float = 0.5,
+        recompute_tracks: str = "both",
+        prefix_cache: bool = True,
+        vit_cache: bool = True,
+        image_kv_cache: bool = True,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        vit_cache_bytes: int = 256 << 20,
+        image_kv_cache_bytes: int | None = None,
+        max_step_tokens: int = 16384,
+        model_id: str | None = None,
+        tenant: str | None = None,
+        seed: int = 0,
+        share_weights_with: "SAMcacheEngine | None" = None,
+    ) -> None:
+        if compression_enabled:
+            raise ValueError(
+                "compression_enabled=True needs the router-logit visual-token compression policy, "
+                "which this version does not have yet; use compression_enabled=False"
+            )
+        for name, value in (("recompute_ratio", recompute_ratio), ("head_fraction", head_fraction),
+                            ("track2_share", track2_share)):
+            check_fraction(name, value)
+        for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
+                                      ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
+                                      ("image_kv_cache_bytes", image_kv_cache_bytes, True),
+                                      ("max_step_tokens", max_step_tokens, False)):
+            if value is not None or not optional:
+                check_int(name, value, 1)
+        check_seed(seed)
+        if recompute_tracks not in ("both", "heads"):
+            raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
+        if recompute_budget not in ("layer-aware", "uniform"):
+            raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
+        self.model_path = pathlib.Path(model_path)
+        self.family = detect_family(self.model_path)
+        fingerprint = model_fingerprint(self.model_path)
+        self._weights_digest = fingerprint.rsplit(":", 1)[1]  # without the folder name
+        if share_weights_with is not None and self._weights_digest != share_weights_with._weights_digest:
+            raise ValueError(f"share_weights_with holds the weights of {share_weights_with.model_path}, "
+                             f"not those of {self.model_path}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = (8 << 30) if self.device.type == "cuda" else (256 << 20)
+        self.runner = ModelRunner(
+            self.model_path, self.family, device=self.device, dtype=self.dtype, block_size=block_size,
+            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+            model=share_weights_with.runner.model if share_weights_with is not None else None,
+        )
+        self.pool = BlockPool(self.runner.num_blocks, block_size)
+        self.processor = load_processor(self.model_path)
+        self.tokenizer = self.processor.tokenizer
+        self.geometry = ImageGeometry.from_processor(self.processor.image_processor)
+        self._preprocess = preprocess_params(self.processor.image_processor)
+        cfg = self.runner.config
+        self.image_token_id = int(cfg.image_token_id)
+        eos = getattr(self.runner.model.generation_config, "eos_token_id", None) or cfg.text_config.eos_token_id
+        self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+        self.model_id = model_id or fingerprint
+        self.tenant = tenant
+        self.use_prefix = cache_enabled and prefix_cache
+        self.use_vit_cache = cache_enabled and vit_cache
+        self.use_image_kv = cache_enabled and image_kv_cache
+        self.recompute_ratio = float(recompute_ratio)
+        self.recompute_budget = recompute_budget
+        self.head_fraction = head_fraction
+        self.track2_share = track2_share
+        self.recompute_tracks = recompute_tracks
+        self.sensitivity = self._load_sensitivity(sensitivity)
+        self._warned_uniform = False
+        self._solved: dict = {}
+        pool_bytes = self.runner.num_blocks * self.runner.block_bytes
+        self.vit_store = TensorStore("vit", vit_cache_bytes)
+        self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
+                                           self.runner.block_bytes)
+        self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
+                                 image_kv_store=self.image_kv_store, use_vit_cache=self.use_vit_cache)
+        self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
+        self.seed = seed
+        self._turns = 0
+        self._lock = threading.RLock()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def new_session(self, system: str | None = None, *, tenant: str | None = None) -> Session:
+        """A conversation, optionally with a system prompt, scoped to ``tenant`` (default: the engine's)."""
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str, got {type(system).__name__}")
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return Session(messages=messages, tenant=tenant if tenant is not None else self.tenant)
+
+    def chat(
+        self,
+        images: Sequence[Any] | None = None,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        session: Session | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        tenant: str | None = None,
+        fidelity: bool = False,
+        fidelity_tokens: int = 8,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> ChatResult:
+        """One turn. Either ``images`` + ``prompt`` (a user message; appended to ``session`` if
+        given) or the whole ``messages`` list (``{"role", "content"}`` dicts; content is a string
+        or a list of ``{"type": "text", "text"}`` / ``{"type": "image", "image"}`` parts, images as
+        paths, PIL images or uint8 arrays).
+
+        ``fidelity=True`` also runs a full prefill of the same prompt and reports the next-token
+        KL, top-1 agreement and the agreement of ``fidelity_tokens`` greedy tokens
+        (``metrics.fidelity``); it is not counted in TTFT. ``ignore_eos=True`` always decodes
+        ``max_new_tokens`` (benchmarks: the same work in every mode).
+        """
+        request = ChatRequest(images=images, prompt=prompt, messages=messages, session=session,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, tenant=tenant,
+                              fidelity=fidelity, fidelity_tokens=fidelity_tokens, seed=seed, ignore_eos=ignore_eos)
+        result = self._serve([request])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def chat_batch(self, requests: Sequence[ChatRequest], *, return_exceptions: bool = False) -> list:
+        """Serve several requests together: their prefills share forward steps, then they decode in
+        lock-step (one row each per step); prompts beyond ``max_step_tokens`` are admitted in later
+        steps, next to the others' decode rows. Outputs equal serving each alone.
+
+        Returns one :class:`ChatResult` per request, in order. A request that fails (bad input, a
+        prompt that does not fit) does not stop the others: with ``return_exceptions=True`` its
+        exception takes its place in the list; otherwise :class:`BatchError` is raised after the
+        others are served, holding every result.
+        """
+        if isinstance(requests, ChatRequest) or not isinstance(requests, Sequence):
+            raise TypeError(f"requests must be a list of ChatRequest, got {type(requests).__name__}")
+        if not all(isinstance(r, ChatRequest) for r in requests):
+            raise TypeError("requests must hold ChatRequest objects")
+        results = self._serve(list(requests))
+        if not return_exceptions and any(isinstance(r, BaseException) for r in results):
+            raise BatchError(results)
+        return results
+
+    def warm_up(self, size: tuple[int, int] = (56, 56)) -> None:
+        """One throwaway turn over a synthetic image of ``size`` (h, w) no real prompt holds, so
+        first-call costs (allocations, the image path) stay out of the first measured turn. Its
+        own system prompt: no later prompt gets a prefix hit from it."""
+        from samcache.engine.synthetic import screenshot
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.chat(messages=[{"role": "system", "content": "samcache warm-up"},
+                                user_message([screenshot(987_654_321, size)], "warm-up")], max_new_tokens=2)
+
+    def build_prompt(self, messages: Sequence[dict]) -> Prompt:
+        """Chat messages -> token ids, image spans and M-RoPE positions (images decoded and hashed)."""
+        rendered, raw_images = normalize_messages(messages)
+        images = [prepare_image(im, self.geometry, self._preprocess) for im in raw_images]
+        text = self.processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return build_prompt(ids, images, image_token_id=self.image_token_id, merge_size=self.geometry.merge_size)
+
+    def request_options(self, recompute_ratio: float | None = None) -> RequestOptions:
+        """The cache switches and recompute budget of this engine's requests."""
+        ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        budget = None
+        if self.use_image_kv and ratio > 0:
+            budget = RecomputeBudget(tuple(self.layer_budget(ratio).rates), head_fraction=self.head_fraction,
+                                     track2_share=self.track2_share, tracks=self.recompute_tracks)
+        return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
+                              register_prefix=self.use_prefix, store_images=self.use_image_kv, budget=budget)
+
+    def prefill(self, prompt: Prompt, *, tenant: str | None = None, options: RequestOptions | None = None
+                ) -> tuple[Prepared, torch.Tensor]:
+        """Stage 1 and 2 of a request without decode or registration: its prepared sequence (the
+        caller frees ``prepared.seq``) and next-token logits. For tools and tests."""
+        with self._lock:
+            ex = self.executor
+            pre = ex.prepare(prompt, Namespace(self.model_id, tenant if tenant is not None else self.tenant),
+                             options or self.request_options())
+            try:
+                return pre, ex.forward([pre.step])[0]
+            except BaseException:
+                ex.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.pool.block_size, hashed=pre.hashed)
+                raise
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the pool or a store is inconsistent."""
+        self.executor.check_invariants()
+
+    def layer_budget(self, ratio: float) -> LayerBudget:
+        """Per-layer recompute rates for a mean ``ratio``: solved from the sensitivity curves
+        (layer-aware), or the same rate everywhere (uniform, and layer-aware before calibration)."""
+        check_fraction("ratio", ratio)
+        layers = self.runner.num_layers
+        if ratio <= 0.0:
+            return LayerBudget(rates=np.zeros(layers), expected_loss=0.0, mean_rate=0.0)
+        if self.recompute_budget == "layer-aware" and self.sensitivity is not None:
+            key = (id(self.sensitivity), ratio)  # the solve is the same for every turn: keep it
+            if key not in self._solved:
+                self._solved = {key: solve_layer_budget(self.sensitivity, ratio)}
+            return self._solved[key]
+        return LayerBudget(rates=np.full(layers, ratio), expected_loss=float("nan"), mean_rate=ratio)
+
+    # ---- serving --------------------------------------------------------------------------------
+    def _admission(self, req: ChatRequest, start: float) -> tuple[Admission, list[dict]]:
+        check_int("max_new_tokens", req.max_new_tokens, 1)
+        if req.fidelity:
+            check_int("fidelity_tokens", req.fidelity_tokens, 1)
+        sampler = Sampler(req.temperature, req.top_p,
+                          seed=(self.seed + self._turns) % SEED_LIMIT if req.seed is None else req.seed)
+        if req.messages is not None:
+            if req.images is not None or req.prompt is not None or req.session is not None:
+                raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
+            history = req.messages  # checked by build_prompt; no session to extend
+        else:
+            images, prompt = req.images, req.prompt
+            if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
+                raise TypeError(f"images must be a list of images (paths, PIL images, arrays), got {type(images).__name__}")
+            if prompt is None and not images:
+                raise ValueError("chat needs a prompt or images (or messages=...)")
+            prompt = "" if prompt is None else prompt  # an image-only turn
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            history = (list(req.session.messages) if req.session is not None else []) + [user_message(list(images or []), prompt)]
+        tenant = req.tenant if req.tenant is not None else (req.session.tenant if req.session is not None else self.tenant)
+        self._turns += 1
+        prompt_ = self.build_prompt(history)
+        self._check_fits(prompt_, req.max_new_tokens)
+        adm = Admission(prompt_, Namespace(self.model_id, tenant), self.request_options(), sampler,
+                        req.max_new_tokens, ignore_eos=req.ignore_eos, keep_prefill=req.fidelity, arrival=start)
+        return adm, list(history)
+
+    def _serve(self, requests: list[ChatRequest]) -> list:
+        with self._lock:
+            start = time.perf_counter()
+            results: list = [None] * len(requests)
+            admitted, where = [], []
+            for i, req in enumerate(requests):
+                try:
+                    admitted.append(self._admission(req, start))
+                    where.append(i)
+                except Exception as e:  # noqa: BLE001 - this request's bad input only
+                    results[i] = e
+            done = self.scheduler.run([a for a, _ in admitted])
+            for i, (adm, history), out in zip(where, admitted, done):
+                results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
+            reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
+            if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
+                warnings.warn("no sensitivity curves for this model yet: the recompute budget is uniform across layers "
+                              "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3)  # chat's caller
+                self._warned_uniform = True
+            return results
+
+    def _result(self, req: ChatRequest, adm: Admission, history: list[dict], out: Finished) -> ChatResult:
+        m = out.prepared.metrics
+        if out.fork is not None:
+            m.fidelity = measure_fidelity(self.executor, adm.prompt, out.first_logits, out.fork, req.fidelity_tokens,
+                                          model_id=self.model_id, vit_namespace=adm.namespace)
+        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+        if req.session is not None:
+            req.session.messages = history + [{"role": "assistant", "content": text}]
+        return ChatResult(text=text, token_ids=out.tokens, finish_reason=out.finish_reason, metrics=m)
+
+    def _check_fits(self, prompt: Prompt, max_new_tokens: int) -> None:
+        n = len(prompt)
+        if prompt.next_position + max_new_tokens > self.runner.max_positions:
+            raise PromptTooLong(
+                f"the prompt reaches position {prompt.next_position} and {max_new_tokens} new tokens would pass "
+                f"the model's {self.runner.max_positions} positions"
+            )
+        need = -(-(n + max_new_tokens) // self.pool.block_size)
+        if need > self.pool.num_blocks:
+            raise PromptTooLong(
+                f"the prompt ({n} tokens) plus {max_new_tokens} new tokens needs {need} KV blocks of "
+                f"{self.pool.block_size} tokens but the pool has {self.pool.num_blocks} "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens); raise kv_cache_bytes or num_blocks"
+            )
+
+    # ---- the layer-aware budget ---------------------------------------------------------------
+    def _load_sensitivity(self, sensitivity) -> SensitivityCurves | None:
+        if sensitivity is None or isinstance(sensitivity, SensitivityCurves):
+            if sensitivity is not None and sensitivity.num_layers != self.runner.num_layers:
+                raise ValueError(f"sensitivity curves have {sensitivity.num_layers} layers, the model has "
+                                 f"{self.runner.num_layers}")
+            return sensitivity
+        path = pathlib.Path(sensitivity)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"sensitivity={str(path)!r}: cannot read the curves file ({e.strerror or e})") from None
+        try:
+            data = json.loads(text)
+            curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]))
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
+        if data.get("model_id") not in (None, self.model_id):
+            raise ValueError(f"{path} was calibrated on model {data['model_id']}, not on this one ({self.model_id}); "
+                             "calibrate this model (engine.calibrate(save=...))")
+        return self._load_sensitivity(curves)
+
+    def calibrate(
+        self,
+        images: Sequence[Any] | None = None,
+        *,
+        rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+        save: str | os.PathLike | None = None,
+        progress: bool = True,
+    ) -> SensitivityCurves:
+        """Measure each layer's sensitivity offline (:class:`samcache.engine.calibration.Calibrator`,
+        on its own KV and stores) and use the layer-aware budget from now on. ``save`` writes the
+        curves as JSON (load them with ``sensitivity=path``)."""
+        from samcache.engine.calibration import Calibrator
+
+        with self._lock:
+            curves = Calibrator(self).run(images, rates=rates, progress=progress)
+            self.sensitivity = curves
+            if save is not None:
+                pathlib.Path(save).write_text(json.dumps({"model_id": self.model_id, "rates": curves.rates.tolist(),
+                                                          "loss": curves.loss.tolist()}, indent=1), encoding="utf-8")
+            return curves
+
+    def __repr__(self) -> str:
+        return (f"SAMcacheEngine({self.family.name}, {self.device}, {self.dtype}, pool={self.pool.num_blocks}x"
+                f"{self.pool.block_size}, recompute={self.recompute_ratio} {self.recompute_budget})")
+
+
+__all__ = ["BatchError", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]

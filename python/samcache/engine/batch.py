@@ -1,0 +1,128 @@
+"""One forward step over many sequences: what each computes, and the metadata built once for it.
+
+A step mixes sequences freely: a prefill computes a prompt's new and recomputed rows, a decode
+one row; each sequence says which of its rows each layer computes (recompute sets shrink with
+depth). :meth:`StepBatch.build` concatenates the rows and plans the step once: KV slots, the
+attention metadata of all rows (FlashInfer-style, :class:`samcache.ops.AttentionMetadata`) and,
+for each distinct per-layer row set, the row subset and its metadata. Every layer then only
+looks its plan up (plan/run split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from samcache.ops.sparse_attention import AttentionMetadata
+
+
+@dataclass
+class SequenceStep:
+    """Rows ``rows`` (ascending positions) of one sequence, computed this step.
+
+    ``layer_rows[l]``: the positions layer ``l`` computes (a subset of ``rows`` holding the last
+    one; None: all rows at every layer). ``embeds`` / ``positions``: layer-0 inputs and M-RoPE
+    positions of ``rows``. ``num_kv_tokens``: the sequence's KV length after this step.
+    ``deepstack``: per DeepStack layer, features to add to the visual rows (``deepstack_rows``:
+    index into the features per row, -1 for text).
+    """
+
+    rows: np.ndarray
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    block_table: np.ndarray
+    num_kv_tokens: int
+    layer_rows: list[np.ndarray] | None = None
+    deepstack_rows: np.ndarray | None = None
+    deepstack_features: list[torch.Tensor] | None = None
+
+
+@dataclass
+class RowSubset:
+    """The rows one or more layers compute: indices into the step's rows, their slots and metadata."""
+
+    index: torch.Tensor
+    slots: torch.Tensor
+    meta: AttentionMetadata
+    deepstack_rows: torch.Tensor | None = None
+
+
+@dataclass
+class StepBatch:
+    """A planned step: concatenated inputs, and each layer's row subset (None = every row)."""
+
+    embeds: torch.Tensor  # [T, hidden]
+    positions: torch.Tensor  # int64 [3, T]
+    all_rows: RowSubset
+    layers: list[RowSubset | None]
+    logit_rows: torch.Tensor  # [B] each sequence's last row
+    deepstack_features: list[torch.Tensor] | None = None
+    num_seqs: int = 0
+    row_counts: list[int] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, steps: list[SequenceStep], *, num_layers: int, block_size: int,
+              device: torch.device) -> "StepBatch":
+        if not steps:
+            raise ValueError("a step needs at least one sequence")
+        counts = [int(s.rows.size) for s in steps]
+        if any(c == 0 for c in counts):
+            raise ValueError("every sequence of a step computes at least its last row")
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        slots = np.concatenate([_slots(s.block_table, s.rows, block_size) for s in steps])
+        tables = [s.block_table for s in steps]
+        kv_lens = [s.num_kv_tokens for s in steps]
+        meta = AttentionMetadata.build([s.rows for s in steps], tables, kv_lens, block_size, device)
+        all_index = torch.arange(int(offsets[-1]), device=device)
+        slots_t = torch.from_numpy(slots).to(device)
+
+        # Deepstack features of all sequences, concatenated; rows index into them.
+        ds_rows, ds_feats = None, None
+        if any(s.deepstack_features is not None for s in steps):
+            depth = max(len(s.deepstack_features) for s in steps if s.deepstack_features is not None)
+            rows, feats, base = [], [[] for _ in range(depth)], 0
+            for s, n in zip(steps, counts):
+                r = np.full(n, -1, dtype=np.int64) if s.deepstack_rows is None else s.deepstack_rows.astype(np.int64)
+                rows.append(np.where(r >= 0, r + base, -1))
+                if s.deepstack_features is not None:
+                    for layer, f in enumerate(s.deepstack_features):
+                        feats[layer].append(f)
+                    base += int(s.deepstack_features[0].shape[0])
+            ds_rows = torch.from_numpy(np.concatenate(rows)).to(device)
+            ds_feats = [torch.cat(f) for f in feats]
+        all_rows = RowSubset(all_index, slots_t, meta, ds_rows)
+
+        layers: list[RowSubset | None] = []
+        previous: tuple[np.ndarray, RowSubset | None] | None = None
+        for layer in range(num_layers):
+            if all(s.layer_rows is None or s.layer_rows[layer].size == s.rows.size for s in steps):
+                layers.append(None)
+                continue
+            parts = []
+            for s, off in zip(steps, offsets):
+                active = s.rows if s.layer_rows is None else s.layer_rows[layer]
+                parts.append(off + np.searchsorted(s.rows, active))
+            index = np.concatenate(parts)
+            if previous is not None and np.array_equal(previous[0], index):
+                layers.append(previous[1])  # the same rows as the layer above: the same plan
+                continue
+            idx = torch.from_numpy(index).to(device)
+            subset = RowSubset(idx, slots_t.index_select(0, idx), meta.select(idx, [p.size for p in parts]),
+                               ds_rows.index_select(0, idx) if ds_rows is not None else None)
+            layers.append(subset)
+            previous = (index, subset)
+        embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
+        positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
+        return cls(embeds=embeds, positions=positions.to(device), all_rows=all_rows, layers=layers,
+                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
+                   num_seqs=len(steps), row_counts=counts)
+
+
+def _slots(block_table: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.int64)
+    return block_table.astype(np.int64)[rows // block_size] * block_size + rows % block_size
+
+
+__all__ = ["RowSubset", "SequenceStep", "StepBatch"]

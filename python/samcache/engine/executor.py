@@ -1,0 +1,316 @@
+"""Executing reuse plans: prefill and decode of many sequences on one runner, pool and stores.
+
+A request goes through three stages, so that a step can batch many of them and offline tools
+(calibration, fidelity) can work between stages without reaching into the serving path:
+
+1. :meth:`Executor.prepare`: adopt the exact prefix, look the images up, ask the planner
+   (:func:`samcache.reuse.plan_reuse`), allocate the sequence's blocks, splice the known images'
+   KV in at their new positions, run the ViT where the plan needs it, order track 2 by
+   relevance, and describe the rows to compute (:class:`SequenceStep`).
+2. :meth:`Executor.forward`: one batched forward step over any number of prepared requests.
+3. :meth:`Executor.register`: keep what the turn computed (new images' KV, held in the pool's
+   blocks; ViT outputs) for later turns.
+
+Only blocks whose KV equals a full prefill's (``plan.exact_tokens``) are hashed into the exact
+prefix cache; blocks holding approximate KV (spliced images and everything after them, unless
+every reused token was recomputed at every layer) are never served as exact prefix hits.
+A decode step (:meth:`decode_step`) is one row of a sequence; a forward step may mix them with
+prefills. A failed stage drops
+the blocks it added (nothing half-written is ever adopted) and leaves the pool and stores
+consistent; the other requests of a batch are not affected by one request's failure to prepare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from samcache.block_pool import BlockPool
+from samcache.engine.batch import SequenceStep, StepBatch
+from samcache.engine.metrics import TurnMetrics
+from samcache.engine.prompt import Prompt
+from samcache.engine.runner import ModelRunner
+from samcache.errors import PromptTooLong
+from samcache.hashing import Namespace
+from samcache.recompute import attention_relevance, span_positions
+from samcache.recompute.selection import ReusedSpan
+from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
+from samcache.stores import HeldImage, ImageKVStore, TensorStore
+
+_LOWEST = -(2**31)
+_RELEVANCE_QUERIES = 32  # the prompt's last new tokens whose attention scores track 2
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Which caches a request reads and feeds.
+
+    ``use_prefix`` / ``use_image_kv``: adopt the exact prefix / splice known images' KV.
+    ``register_prefix``: hash this prompt's exact blocks (and its decode tokens) into the prefix
+    cache. ``store_images``: keep new images' KV for later turns. ``budget``: the recompute budget
+    of spliced tokens (None: none). ``vit_namespace``: where ViT outputs are looked up (default:
+    the request's namespace); ``store_vit``: keep new ViT outputs there.
+    """
+
+    use_prefix: bool = True
+    use_image_kv: bool = True
+    register_prefix: bool = True
+    store_images: bool = True
+    budget: RecomputeBudget | None = None
+    vit_namespace: Namespace | None = None
+    store_vit: bool = True
+
+
+@dataclass
+class Prepared:
+    """A request after stage 1: its sequence holds every reused KV; ``step`` says what to compute."""
+
+    seq: int
+    prompt: Prompt
+    namespace: Namespace
+    options: RequestOptions
+    plan: ReusePlan
+    step: SequenceStep
+    metrics: TurnMetrics
+    vit: dict[int, tuple] = field(default_factory=dict)  # image index -> ViT output used this turn
+    hashed: bool = False  # some of its blocks were hashed into the prefix cache
+
+
+class Executor:
+    """Stages of serving requests over ``runner`` (weights, KV caches), ``pool`` (blocks and the
+    prefix cache) and the stores (ViT outputs, image KV)."""
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
+                 image_kv_store: ImageKVStore, use_vit_cache: bool = True) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.processor = processor
+        self.vit_store = vit_store
+        self.image_kv_store = image_kv_store
+        self.use_vit_cache = use_vit_cache
+
+    # ---- stage 1 -------------------------------------------------------------------------------
+    def layout(self, prompt: Prompt, namespace: Namespace) -> PromptLayout:
+        """The planner's view of ``prompt``: images keyed by namespaced content."""
+        return PromptLayout(len(prompt), tuple(
+            ImageSlot(s.index, s.start, s.length, namespace.key(s.image.content), int(prompt.positions[0, s.start]))
+            for s in prompt.images))
+
+    def kv_check(self, span) -> tuple:
+        """What an image's KV record must match: its grid, token count and the model's depth."""
+        return (span.image.grid, span.length, self.runner.num_layers)
+
+    def prepare(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> Prepared:
+        pool, runner = self.pool, self.runner
+        bs, n = pool.block_size, len(prompt)
+        m = TurnMetrics(prompt_tokens=n, images=len(prompt.images))
+        seq = pool.new_sequence(namespace)
+        adopted, hashed = 0, False
+        try:
+            if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
+                adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
+            layout = self.layout(prompt, namespace)
+            held: dict[Any, HeldImage] = {}
+            if options.use_image_kv:
+                for slot in layout.images:
+                    if slot.end <= adopted:
+                        continue
+                    h = self.image_kv_store.get(slot.key, check=self.kv_check(prompt.images[slot.index]))
+                    if h is None:
+                        m.image_kv_misses += 1
+                    else:
+                        m.image_kv_hits += 1
+                        held[slot.key] = h
+            plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
+                              cached={k: CachedImage(h.length, h.position) for k, h in held.items()})
+            self._allocate(seq, prompt, adopted, plan, options)
+            hashed = options.register_prefix and plan.exact_tokens > adopted
+            table = pool.block_table(seq)
+            for span in plan.spliced:
+                h = held[layout.images[span.image].key]
+                runner.splice(self.image_kv_store.slots(h, span.offset, span.length),
+                              runner.slots_for(table, np.arange(span.start, span.end)), span.delta)
+            # ViT outputs: images with new tokens, and (when some of their tokens may be recomputed)
+            # the spliced ones; one batched vision-tower call for all misses.
+            wanted = set(plan.vit_images)
+            if plan.recompute is not None:
+                wanted |= {s.image for s in plan.spliced}
+            vit: dict[int, tuple] = {}
+            self.ensure_vit(prompt, sorted(wanted), vit, m, options.vit_namespace or namespace, options.store_vit)
+            if plan.needs_scores:
+                plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
+            step = self.sequence_step(prompt, plan, table, vit)
+        except BaseException:
+            self.discard(seq, table_from=adopted // bs, hashed=hashed)
+            raise
+        m.prefix_reused_tokens = adopted
+        m.image_reused_tokens = plan.image_reused_tokens
+        m.prefilled_tokens = int(plan.new_rows.size)
+        m.recomputed_tokens = plan.recomputed_tokens
+        m.recomputed_token_layers = plan.recomputed_token_layers
+        m.recompute_rates = plan.recompute_rates
+        m.exact_tokens = plan.exact_tokens
+        return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed)
+
+    def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions) -> None:
+        """Blocks for tokens ``[adopted, n)``: the exact part hashed into the prefix cache (if asked),
+        the approximate rest not (``append_slots`` makes the sequence uncacheable from there)."""
+        pool, bs, n = self.pool, self.pool.block_size, len(prompt)
+        need = -(-n // bs) - adopted // bs
+        if need > pool.num_free_blocks():
+            self.image_kv_store.evict_for_blocks(need)
+        if need > pool.num_free_blocks():
+            raise PromptTooLong(f"the prompt needs {need} more KV blocks but only {pool.num_free_blocks()} are free "
+                                "or evictable")
+        hash_until = max(adopted, plan.exact_tokens) if options.register_prefix else adopted
+        if hash_until > adopted:
+            res = pool.append_tokens(seq, prompt.token_ids[adopted:hash_until], prompt.extra_keys())
+            self.runner.copy_on_write(res.copies)
+        if n > hash_until:
+            res = pool.append_slots(seq, n - hash_until)
+            self.runner.copy_on_write(res.copies)
+
+    def ensure_vit(self, prompt: Prompt, image_indices: Sequence[int], vit: dict, m: TurnMetrics,
+                   namespace: Namespace, store: bool) -> None:
+        """ViT outputs of these images (from the cache, else one batched vision-tower call); ``store``
+        keeps new ones in the cache (keyed by tenant too: a hit would tell one tenant, through its
+        TTFT and metrics, that another has sent this image)."""
+        missing = []
+        for i in image_indices:
+            if i in vit:
+                continue
+            span = prompt.images[i]
+            hit = (self.vit_store.get(namespace.key(span.image.content), check=span.image.grid)
+                   if self.use_vit_cache else None)
+            if hit is not None:
+                vit[i] = hit
+                m.vit_hits += 1
+            else:
+                missing.append(i)
+        if not missing:
+            return
+        pixels = [prompt.images[i].image.pixels for i in missing]
+        # Always HxWx3: left to guess, the processor reads a 1- or 3-pixel-tall image as channels-first.
+        inputs = self.processor.image_processor(images=pixels, return_tensors="pt", input_data_format="channels_last")
+        outputs = self.runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+        for i, out in zip(missing, outputs):
+            span = prompt.images[i]
+            if tuple(out[0].shape) != (span.length, self.runner.hidden_size):
+                raise RuntimeError(f"vision tower returned {tuple(out[0].shape)} for an image of {span.length} tokens")
+            vit[i] = out
+            m.vit_calls += 1
+            if self.use_vit_cache and store:
+                self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
+
+    def _image_rows(self, prompt: Prompt, index: np.ndarray):
+        """For each image with tokens among the (sorted) rows ``index``: (image, lo, hi, offsets),
+        rows [lo, hi) being its tokens at ``offsets`` within the image (on the model's device)."""
+        for i, span in enumerate(prompt.images):
+            lo, hi = np.searchsorted(index, [span.start, span.end])
+            if hi > lo:
+                yield i, lo, hi, torch.from_numpy(index[lo:hi] - span.start).to(self.runner.device)
+
+    def embeds(self, prompt: Prompt, index: np.ndarray, vit: dict) -> torch.Tensor:
+        """Layer-0 inputs of prompt rows ``index`` (token embeddings, ViT outputs for image tokens)."""
+        r = self.runner
+        out = r.embed_tokens(torch.from_numpy(prompt.token_ids[index].astype(np.int64))).to(r.dtype)
+        for i, lo, hi, offsets in self._image_rows(prompt, index):
+            out[lo:hi] = vit[i][0][offsets]
+        return out
+
+    def relevance(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict) -> np.ndarray:
+        """Track-2 scores: attention of the prompt's last new tokens (at the first layer, whose KV of
+        reused tokens is exact after re-rotation) on every reused token."""
+        scores = np.zeros(len(prompt), dtype=np.float64)
+        queries = plan.new_rows[-_RELEVANCE_QUERIES:]
+        reused = span_positions([ReusedSpan(s.start, s.length) for s in plan.spliced])
+        if not queries.size or not reused.size:
+            return scores
+        r = self.runner
+        q = r.layer0_queries(self.embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
+        keys = r.layer_keys(0, r.slots_for(table, reused))
+        scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
+        return scores
+
+    def sequence_step(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict) -> SequenceStep:
+        rows = plan.rows
+        step = SequenceStep(
+            rows=rows, embeds=self.embeds(prompt, rows, vit), positions=prompt.positions[:, torch.from_numpy(rows)],
+            block_table=table, num_kv_tokens=len(prompt),
+            layer_rows=None if all(r.size == rows.size for r in plan.layer_rows) else list(plan.layer_rows),
+        )
+        if self.runner.family.deepstack and self.runner.deepstack_layers:
+            ds_rows = np.full(rows.size, -1, dtype=np.int64)
+            feats: list[list[torch.Tensor]] = [[] for _ in range(self.runner.deepstack_layers)]
+            count = 0
+            for i, lo, hi, offsets in self._image_rows(prompt, rows):
+                ds_rows[lo:hi] = np.arange(count, count + hi - lo)
+                count += hi - lo
+                for layer, f in enumerate(vit[i][1]):
+                    feats[layer].append(f[offsets])
+            if count:
+                step.deepstack_rows = ds_rows
+                step.deepstack_features = [torch.cat(f) for f in feats]
+        return step
+
+    # ---- stage 2 -------------------------------------------------------------------------------
+    def forward(self, steps: Sequence[SequenceStep]) -> torch.Tensor:
+        """One forward step over these sequences: logits [len(steps), vocab] of their last rows."""
+        r = self.runner
+        batch = StepBatch.build(list(steps), num_layers=r.num_layers, block_size=self.pool.block_size, device=r.device)
+        return r.forward(batch)
+
+    # ---- stage 3 -------------------------------------------------------------------------------
+    def register(self, pre: Prepared) -> None:
+        """Keep the KV of every image this turn computed in full (held in its blocks) for reuse at
+        any position."""
+        if not (pre.options.store_images and pre.options.use_image_kv):
+            return
+        spliced = {s.image for s in pre.plan.spliced}
+        for span in pre.prompt.images:
+            if span.index in spliced or span.start < pre.plan.prefix_tokens:
+                continue  # its KV came from a cache: already held (or part of an adopted prefix)
+            self.image_kv_store.put(pre.namespace.key(span.image.content), pre.seq, span.start, span.length,
+                                    int(pre.prompt.positions[0, span.start]), check=self.kv_check(span))
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def decode_step(self, seq: int, token: int, position: int, hashed: bool) -> SequenceStep:
+        """Append ``token`` to ``seq`` (hashed into the prefix cache if ``hashed`` and the sequence
+        is still exact) at M-RoPE position ``position``: the row a decode step computes."""
+        r, pool = self.runner, self.pool
+        res = pool.append_tokens(seq, [token]) if hashed else pool.append_slots(seq, 1)
+        r.copy_on_write(res.copies)
+        n = pool.num_tokens(seq)
+        return SequenceStep(rows=np.array([n - 1]), embeds=r.embed_tokens(torch.tensor([token])),
+                            positions=torch.full((3, 1), position, dtype=torch.int64),
+                            block_table=pool.block_table(seq), num_kv_tokens=n)
+
+    # ---- failures --------------------------------------------------------------------------------
+    def discard(self, seq: int, *, table_from: int, hashed: bool) -> None:
+        """Drop a sequence whose KV may be incomplete, so no later request adopts its blocks from
+        block ``table_from`` on."""
+        try:
+            blocks = self.pool.block_table(seq)[table_from:]
+        except Exception:  # noqa: BLE001 - the sequence is already gone
+            return
+        cached = [int(b) for b in blocks if hashed and self.pool.block_hash(int(b)) is not None]
+        if cached:
+            self.pool.set_block_priority(np.asarray(cached, dtype=np.int32), _LOWEST)
+        self.pool.free_sequence(seq)
+        # Ours that are now cached and unreferenced (a duplicate of a block cached elsewhere was
+        # freed and lost its hash; one still shared stays): evicted first, being lowest priority.
+        ours = [b for b in cached if self.pool.refcount(b) == 0 and self.pool.block_hash(b) is not None]
+        if ours:
+            self.pool.evict(len(ours))
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.vit_store.check_invariants()
+        self.image_kv_store.check_invariants()
+
+
+__all__ = ["Executor", "Prepared", "RequestOptions"]

@@ -1,0 +1,177 @@
+"""The step loop: many requests served together, prefill and decode rows mixed in one step.
+
+Requests are admitted in arrival order while their prompts fit the step's token budget
+(``max_step_tokens``; the first is always admitted when nothing else runs). Every running request
+adds its decode row to every step, so a queue longer than one step is served as a continuous
+batch: new prompts are prefilled in the same forward steps that decode earlier ones. Each request
+samples with its own sampler; its first token ends its TTFT.
+
+A request that fails (a prompt that does not fit, a full pool) gets its exception as its result
+and its blocks are dropped; the others go on. An interruption (``KeyboardInterrupt``) drops every
+request's blocks before it propagates, so the pool and stores stay consistent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from samcache.engine.executor import Executor, Prepared, RequestOptions
+from samcache.engine.prompt import Prompt
+from samcache.engine.sampling import Sampler
+from samcache.hashing import Namespace
+
+
+@dataclass
+class Admission:
+    """A request as the scheduler serves it. ``keep_prefill``: keep a fork of the prefilled
+    sequence (``Finished.fork``, freed by the caller) for a comparison after the turn."""
+
+    prompt: Prompt
+    namespace: Namespace
+    options: RequestOptions
+    sampler: Sampler
+    max_new_tokens: int
+    ignore_eos: bool = False
+    keep_prefill: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Finished:
+    admission: Admission
+    prepared: Prepared  # plan, metrics, ViT outputs (its sequence is freed)
+    first_logits: torch.Tensor
+    tokens: list[int]
+    finish_reason: str  # "stop" (an end token) or "length"
+    fork: int | None = None
+
+
+@dataclass
+class _Running:
+    prepared: Prepared
+    first_logits: torch.Tensor
+    tokens: list[int]
+    decode_start: float
+    fork: int | None
+
+
+class Scheduler:
+    def __init__(self, executor: Executor, eos_token_ids: set[int], *, max_step_tokens: int = 16384) -> None:
+        self.executor = executor
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_step_tokens = max_step_tokens
+
+    def run(self, admissions: Sequence[Admission]) -> list[Finished | Exception]:
+        """Serve every admission; each result is its :class:`Finished` or the exception it failed with."""
+        ex = self.executor
+        results: list[Finished | Exception | None] = [None] * len(admissions)
+        pending = deque(range(len(admissions)))
+        running: dict[int, _Running] = {}
+        prefilling: dict[int, Prepared] = {}
+        try:
+            while pending or running:
+                steps, owners = [], []
+                budget = self.max_step_tokens - len(running)
+                while pending:
+                    adm = admissions[pending[0]]
+                    if (steps or running) and len(adm.prompt) > budget:
+                        break  # next step: it would exceed the token budget
+                    i = pending.popleft()
+                    try:
+                        pre = ex.prepare(adm.prompt, adm.namespace, adm.options)
+                    except Exception as e:  # noqa: BLE001 - this request's failure only
+                        results[i] = e
+                        continue
+                    prefilling[i] = pre
+                    steps.append(pre.step)
+                    owners.append(i)
+                    budget -= int(pre.step.rows.size)
+                for i in list(running):
+                    st = running[i]
+                    adm = admissions[i]
+                    try:
+                        steps.append(ex.decode_step(st.prepared.seq, st.tokens[-1],
+                                                    adm.prompt.next_position + len(st.tokens) - 1,
+                                                    adm.options.register_prefix))
+                        owners.append(i)
+                    except Exception as e:  # noqa: BLE001 - e.g. the pool is full: this request fails
+                        self._drop(running.pop(i), adm)
+                        results[i] = e
+                if not steps:
+                    continue
+                try:
+                    logits = ex.forward(steps)
+                except Exception as e:  # noqa: BLE001 - every request of the step fails; the queue goes on
+                    for i in owners:
+                        if i in prefilling:
+                            self._drop_prepared(prefilling.pop(i))
+                        else:
+                            self._drop(running.pop(i), admissions[i])
+                        results[i] = e
+                    continue
+                now = time.perf_counter()
+                for row, i in enumerate(owners):
+                    adm = admissions[i]
+                    try:
+                        token = adm.sampler(logits[row])
+                        if i in prefilling:
+                            pre = prefilling.pop(i)
+                            pre.metrics.ttft_s = now - adm.arrival
+                            fork = ex.pool.fork(pre.seq) if adm.keep_prefill else None
+                            running[i] = _Running(pre, logits[row], [token], now, fork)
+                            ex.register(pre)
+                        else:
+                            running[i].tokens.append(token)
+                    except Exception as e:  # noqa: BLE001
+                        if i in prefilling:
+                            self._drop_prepared(prefilling.pop(i))
+                        elif i in running:
+                            self._drop(running.pop(i), adm)
+                        results[i] = e
+                        continue
+                    st = running[i]
+                    if (token in self.eos_token_ids and not adm.ignore_eos) or len(st.tokens) >= adm.max_new_tokens:
+                        results[i] = self._finish(running.pop(i), adm, now, token)
+        except BaseException:
+            for pre in prefilling.values():
+                self._drop_prepared(pre)
+            for i, st in running.items():
+                self._drop(st, admissions[i])
+            raise
+        return results  # type: ignore[return-value]
+
+    def _finish(self, st: _Running, adm: Admission, now: float, last: int) -> Finished:
+        ex, pre = self.executor, st.prepared
+        m = pre.metrics
+        n = len(st.tokens)
+        decode_s = now - st.decode_start
+        m.decode_tokens = n
+        m.decode_tokens_per_s = (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0
+        block_bytes = ex.runner.block_bytes
+        m.kv_bytes = len(ex.pool.block_table(pre.seq)) * block_bytes
+        m.kv_pool_bytes = (ex.pool.num_blocks - ex.pool.stats()["free_blocks"]) * block_bytes
+        m.image_kv_store_bytes = ex.image_kv_store.used_bytes
+        m.latency_s = time.perf_counter() - adm.arrival
+        ex.pool.free_sequence(pre.seq)
+        reason = "stop" if last in self.eos_token_ids else "length"
+        return Finished(adm, pre, st.first_logits, st.tokens, reason, st.fork)
+
+    def _drop_prepared(self, pre: Prepared) -> None:
+        self.executor.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.executor.pool.block_size,
+                              hashed=pre.hashed)
+
+    def _drop(self, st: _Running, adm: Admission) -> None:
+        """A request that failed after its prefill: the prompt's blocks stay valid, its decode
+        blocks are dropped."""
+        if st.fork is not None:
+            self.executor.pool.free_sequence(st.fork)
+        self.executor.discard(st.prepared.seq, table_from=len(adm.prompt) // self.executor.pool.block_size,
+                              hashed=adm.options.register_prefix)
+
+
+__all__ = ["Admission", "Finished", "Scheduler"]

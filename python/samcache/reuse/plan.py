@@ -1,0 +1,184 @@
+"""The values of reuse planning: what a prompt holds, what the caches hold, and the plan.
+
+All of them are plain values (numbers, numpy arrays, hashable keys): no model, no KV tensors. A
+runner (samcache's own, or an engine integration) executes a :class:`ReusePlan` layer by layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from samcache.recompute.selection import RecomputePlan, ReusedSpan, plan_recompute
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """Image ``index`` of a prompt: tokens ``[start, start + length)``, content ``key`` (namespaced:
+    model + tenant + pixels) and the M-RoPE position of its first token. Every position of an image
+    follows from its first one, so moving an image shifts all of them by one delta."""
+
+    index: int
+    start: int
+    length: int
+    key: Hashable
+    position: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A prompt as the planner sees it: its length and its images (in order, not overlapping)."""
+
+    num_tokens: int
+    images: tuple[ImageSlot, ...] = ()
+
+
+@dataclass(frozen=True)
+class CachedImage:
+    """What the image-KV store holds for a key: ``length`` tokens of KV whose keys are rotated to
+    positions starting at ``position``."""
+
+    length: int
+    position: int
+
+
+@dataclass(frozen=True)
+class RecomputeBudget:
+    """How much of the reused KV to recompute: ``rates[l]`` of the reused tokens at layer ``l``
+    (non-increasing with depth, e.g. ``LayerBudget.rates``), ordered by the two tracks: span heads
+    (``head_fraction`` of each span) and, if ``tracks == "both"``, relevance (``track2_share`` of the
+    order while both tracks last). ``relevance=False`` keeps track 2 in position order (no scores)."""
+
+    rates: tuple[float, ...]
+    head_fraction: float = 0.1
+    track2_share: float = 0.5
+    tracks: str = "both"
+    relevance: bool = True
+
+    def __post_init__(self) -> None:
+        rates = tuple(float(r) for r in self.rates)
+        if any(not 0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"rates must be in [0, 1] and non-increasing with depth, got {list(rates)}")
+        if self.tracks not in ("both", "heads"):
+            raise ValueError(f"tracks must be 'both' or 'heads', got {self.tracks!r}")
+        for name in ("head_fraction", "track2_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        object.__setattr__(self, "rates", rates)
+
+    @classmethod
+    def none(cls, num_layers: int) -> "RecomputeBudget":
+        return cls(rates=(0.0,) * num_layers)
+
+
+@dataclass(frozen=True)
+class SplicedSpan:
+    """Prompt tokens ``[start, start + length)`` take image ``image``'s cached KV from its token
+    ``offset`` on (the exact prefix may already hold the image's first tokens), keys rotated by
+    ``delta`` positions."""
+
+    image: int
+    start: int
+    length: int
+    offset: int
+    delta: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """Where every token's KV comes from, and which tokens each layer computes.
+
+    - ``prefix_tokens``: adopted from the exact prefix cache (tokens ``[0, prefix_tokens)``);
+    - ``spliced``: known images' KV, re-rotated to their new positions;
+    - ``new_rows``: every other token, computed at every layer;
+    - ``recompute``: the reused tokens recomputed, ``recompute.quota[l]`` of them at layer ``l``
+      (nested sets, shrinking with depth); ``layer_rows[l]`` = new rows + layer ``l``'s recompute set;
+    - ``vit_images``: images whose vision-encoder output the computed rows need;
+    - ``exact_tokens``: the leading tokens whose KV equals a full prefill's (everything before the
+      first spliced token, unless every reused token is recomputed at every layer). Only these may
+      enter an exact prefix cache.
+    """
+
+    num_tokens: int
+    prefix_tokens: int
+    spliced: tuple[SplicedSpan, ...]
+    new_rows: np.ndarray
+    recompute: RecomputePlan | None
+    layer_rows: tuple[np.ndarray, ...]
+    vit_images: tuple[int, ...]
+    exact_tokens: int
+    needs_scores: bool = False  # track 2 wants relevance scores: call with_scores() before executing
+    budget: RecomputeBudget | None = field(default=None, repr=False)
+    image_tokens: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)  # (index, start, end)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_rows)
+
+    @property
+    def image_reused_tokens(self) -> int:
+        return sum(s.length for s in self.spliced)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Every row computed at some layer (the first layer computes the most)."""
+        return self.layer_rows[0] if self.layer_rows else self.new_rows
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Reused tokens recomputed at the first layer."""
+        return int(self.recompute.quota[0]) if self.recompute is not None and self.recompute.quota else 0
+
+    @property
+    def recomputed_token_layers(self) -> int:
+        """Recomputed (token, layer) pairs over all layers."""
+        return int(sum(self.recompute.quota)) if self.recompute is not None else 0
+
+    @property
+    def recompute_rates(self) -> list[float]:
+        """Per layer, the fraction of the image-reused tokens recomputed there."""
+        reused = self.image_reused_tokens
+        if self.recompute is None or not reused:
+            return [0.0] * self.num_layers
+        return [q / reused for q in self.recompute.quota]
+
+    def with_scores(self, scores: np.ndarray) -> "ReusePlan":
+        """The same plan with track 2 ordered by ``scores`` (relevance of every prompt position;
+        only reused positions are read)."""
+        if self.recompute is None:
+            return replace(self, needs_scores=False)
+        b = self.budget
+        spans = [ReusedSpan(s.start, s.length) for s in self.spliced]
+        recompute = plan_recompute(spans, self.recompute.quota, scores, head_fraction=b.head_fraction,
+                                   track2_share=b.track2_share, tracks=b.tracks)
+        return _finish(self, recompute)
+
+
+def _finish(plan: ReusePlan, recompute: RecomputePlan | None) -> ReusePlan:
+    """``plan`` with ``recompute``: per-layer rows and the images their inputs need."""
+    layers = plan.num_layers
+    if recompute is None:
+        layer_rows = tuple(plan.new_rows for _ in range(layers))
+    else:
+        layer_rows = tuple(np.union1d(plan.new_rows, recompute.positions(l)) for l in range(layers))
+    rows = layer_rows[0] if layers else plan.new_rows
+    vit = tuple(i for i, lo, hi in plan.image_tokens if np.searchsorted(rows, hi) > np.searchsorted(rows, lo))
+    reused = plan.image_reused_tokens
+    exact = plan.num_tokens if not plan.spliced or (recompute is not None and recompute.quota and
+                                                     min(recompute.quota) >= reused) else plan.spliced[0].start
+    return replace(plan, recompute=recompute, layer_rows=layer_rows, vit_images=vit, exact_tokens=exact,
+                   needs_scores=False)
+
+
+__all__ = ["CachedImage", "ImageSlot", "PromptLayout", "RecomputeBudget", "ReusePlan", "SplicedSpan"]

@@ -1,0 +1,114 @@
+"""plan_reuse: a prompt plus what the caches hold -> the reuse plan. A pure function.
+
+No model, no KV tensors: the inputs are the prompt's layout (length, image spans with content keys
+and positions), how many leading tokens the exact prefix cache matched, which images the image-KV
+store holds (with the positions their keys are rotated to) and the recompute budget. Every
+engine that can execute the plan (samcache's runner; the vLLM and SGLang integrations) gets the
+same decisions.
+
+Rules (docs/design.md, "The reuse plan"):
+
+1. Tokens ``[0, prefix_tokens)`` come from the exact prefix cache. The last prompt token is always
+   computed: its logits are the step's output.
+2. Every image past the prefix whose KV is cached is spliced in; its keys move by
+   ``delta = new position - cached position``. An image the prefix covers in part is spliced from
+   the first token the prefix does not hold.
+3. Everything else is new and computed at every layer.
+4. Of the spliced tokens, layer ``l`` recomputes ``ceil(rates[l] * reused)``, chosen by the two-track
+   order of :func:`samcache.recompute.plan_recompute`; with ``relevance`` on, track 2 wants
+   relevance scores (``plan.needs_scores``; :meth:`ReusePlan.with_scores` supplies them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from samcache.recompute.selection import ReusedSpan, plan_recompute
+from samcache.reuse.plan import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, SplicedSpan, _finish
+
+
+def _check_layout(layout: PromptLayout) -> None:
+    if not isinstance(layout, PromptLayout):
+        raise TypeError(f"layout must be a PromptLayout, got {type(layout).__name__}")
+    n = layout.num_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a prompt needs at least one token, got num_tokens={n!r}")
+    end = 0
+    for slot in layout.images:
+        if not isinstance(slot, ImageSlot):
+            raise TypeError(f"layout.images must hold ImageSlot values, got {type(slot).__name__}")
+        if slot.length < 1 or slot.start < end or slot.end > n:
+            raise ValueError(f"image {slot.index} spans tokens [{slot.start}, {slot.end}): images must lie inside "
+                             f"the {n}-token prompt, in order, without overlapping")
+        end = slot.end
+
+
+def plan_reuse(
+    layout: PromptLayout,
+    *,
+    prefix_tokens: int = 0,
+    cached: Mapping[Hashable, CachedImage] | None = None,
+    budget: RecomputeBudget | None = None,
+    num_layers: int,
+    scores: np.ndarray | None = None,
+) -> ReusePlan:
+    """The reuse plan of ``layout`` (see the module docstring for the rules).
+
+    ``cached`` maps content keys to what the image-KV store holds (look-ups the caller did; keys
+    not in it are misses). ``budget`` None (or all-zero rates) recomputes nothing. ``scores``:
+    track-2 relevance of every prompt position, if already known.
+    """
+    _check_layout(layout)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    n = layout.num_tokens
+    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or not 0 <= prefix_tokens < n:
+        raise ValueError(f"prefix_tokens must be in [0, {n - 1}] (the last token is always computed), "
+                         f"got {prefix_tokens!r}")
+    if budget is not None:
+        if not isinstance(budget, RecomputeBudget):
+            raise TypeError(f"budget must be a RecomputeBudget, got {type(budget).__name__}")
+        if len(budget.rates) != num_layers:
+            raise ValueError(f"budget has {len(budget.rates)} layer rates, the model has {num_layers} layers")
+    cached = cached or {}
+
+    is_new = np.zeros(n, dtype=bool)
+    is_new[prefix_tokens:] = True
+    spliced: list[SplicedSpan] = []
+    for slot in layout.images:
+        lo, hi = max(slot.start, prefix_tokens), min(slot.end, n - 1)  # the last token is computed
+        entry = cached.get(slot.key)
+        if lo >= hi or entry is None:
+            continue
+        if not isinstance(entry, CachedImage):
+            raise TypeError(f"cached values must be CachedImage, got {type(entry).__name__}")
+        if entry.length != slot.length:
+            raise ValueError(f"image {slot.index} has {slot.length} tokens but its cached KV has {entry.length}: "
+                             "a store must never return another image's entry")
+        spliced.append(SplicedSpan(slot.index, lo, hi - lo, lo - slot.start, slot.position - entry.position))
+        is_new[lo:hi] = False
+
+    new_rows = np.flatnonzero(is_new)
+    reused = sum(s.length for s in spliced)
+    plan = ReusePlan(
+        num_tokens=n, prefix_tokens=prefix_tokens, spliced=tuple(spliced), new_rows=new_rows, recompute=None,
+        layer_rows=(), vit_images=(), exact_tokens=n, budget=budget,
+        image_tokens=tuple((s.index, s.start, s.end) for s in layout.images),
+    )
+    plan = replace(plan, layer_rows=tuple(new_rows for _ in range(num_layers)))
+    quota = [min(math.ceil(r * reused - 1e-9), reused) for r in budget.rates] if budget is not None and reused else []
+    if not quota or quota[0] == 0:
+        return _finish(plan, None)
+    wants_scores = budget.tracks == "both" and budget.relevance
+    spans = [ReusedSpan(s.start, s.length) for s in spliced]
+    recompute = plan_recompute(spans, quota, scores if wants_scores else None, head_fraction=budget.head_fraction,
+                               track2_share=budget.track2_share, tracks=budget.tracks)
+    plan = _finish(plan, recompute)
+    return replace(plan, needs_scores=True) if wants_scores and scores is None else plan
+
+
+__all__ = ["plan_reuse"]
