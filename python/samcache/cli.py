@@ -3,6 +3,7 @@ report`` rebuilds its report from the JSON.
 
     samcache bench --scenario gui --modes baseline,prefix,samcache [--model DIR] [--turns 20]
     samcache bench --scenario gui --modes samcache --recompute 0,0.02,0.05,0.1,0.2,1.0
+    samcache bench --scenario gui --modes prefix,samcache,vllm --preset small --threads 1
     samcache report bench/out/gui/results.json
 """
 
@@ -33,8 +34,8 @@ def _bench(args) -> int:
         print(f"samcache bench: --recompute applies to the modes that recompute "
               f"({', '.join(m for m in MODES if MODES[m].recomputes)}); none of {', '.join(modes)} does", file=sys.stderr)
         return 2
-    if args.repeat < 1:
-        print(f"samcache bench: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
+    if args.repeat < 1 or (args.threads is not None and args.threads < 1):
+        print("samcache bench: --repeat and --threads must be >= 1", file=sys.stderr)
         return 2
     params = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
     flags = {"turns": args.turns, "window": args.window,
@@ -109,25 +110,28 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
         results = run_benchmark(
             trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
             fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
-            kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, equal_kv_memory=args.equal_kv_memory,
-            progress=not args.quiet, command=command, model_note=note, repeat=args.repeat,
+            kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, progress=not args.quiet,
+            command=command, model_note=note, repeat=args.repeat, threads=args.threads, vllm_python=args.vllm_python,
+            peer_log_dir=out,
         )
-    except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, ...
+    except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, no peer environment, ...
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
     prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
-    print(f"{'run':<24}{'TTFT p50':>11}{'TTFT mean':>11}{'vs prefix':>15}{'computed':>10}{'KL median':>11}"
-          f"{'top-1':>7}{'greedy':>8}")
+    vllm = next((r for r in results["runs"] if r["mode"] == "vllm"), None)
+    print(f"{'run':<24}{'TTFT p50':>11}{'TTFT mean':>11}{'vs prefix':>15}" + (f"{'vs vllm':>15}" if vllm else "")
+          + f"{'computed':>10}{'KL median':>11}{'top-1':>7}{'greedy':>8}")
     for r in results["runs"]:
         s = r["summary"]
         ratio = ratio_cell(prefix["summary"], s, times="x").replace(" ", "") if prefix else "-"
+        peer = f"{ratio_cell(vllm['summary'], s, times='x').replace(' ', ''):>15}" if vllm else ""
         kl, top1, greedy = fidelity_cells(s["fidelity"], r["mode"], short=True)
         name = r["name"] + (" (floor)" if r["mode"] == "new-only" else "")
-        print(f"{name:<24}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_mean_ms']:>8.1f} ms{ratio:>15}"
+        print(f"{name:<24}{s['ttft_p50_ms']:>8.1f} ms{s['ttft_mean_ms']:>8.1f} ms{ratio:>15}{peer}"
               f"{s['computed_tokens']:>10}{kl:>11}{top1:>7}{greedy:>8}")
-    print("(vs prefix: p50 / mean TTFT ratios; " + ("fidelity not measured: --no-fidelity)" if args.no_fidelity
+    print("(vs: p50 / mean TTFT ratios, above 1 = faster; " + ("fidelity not measured: --no-fidelity)" if args.no_fidelity
           else "fidelity against a full prefill of the same prompt)"))
     print(f"wrote {out / 'results.json'} and {report}")
     return 0
@@ -186,10 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fidelity-tokens", type=int, default=4)
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
     b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
-    b.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per engine (default 256 CPU, 2048 CUDA)")
-    b.add_argument("--equal-kv-memory", action="store_true",
-                   help="modes that keep image KV split --kv-cache-mib between the pool and that store "
-                        "(default: the store is as large again, on top)")
+    b.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV pool per engine, image KV included (default 256 CPU, 2048 CUDA)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every mode, the vllm peer's worker included (default: torch's)")
+    b.add_argument("--vllm-python", default=None,
+                   help="vLLM's Python for the vllm mode (default: $SAMCACHE_VLLM_PYTHON, else .venv-vllm/bin/python; "
+                        "`make vllm-env` builds it)")
     b.add_argument("--out", help="output folder (default bench/out/SCENARIO)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--command", help=argparse.SUPPRESS)

@@ -112,14 +112,22 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         f"- **Model** `{meta.get('family', '?')}` with {meta.get('parameters', 0):,} parameters"
         + (f" ({meta['model_note']})" if meta.get("model_note") else "") + f", from `{meta['model_path']}`.",
         f"- **Decode** {meta.get('max_new_tokens', '?')} tokens a turn in every mode (end-of-turn tokens ignored, so "
-        f"every mode does the same work); KV pool {meta.get('kv_cache_mib_per_engine', '?')} MiB per engine"
-        + (" in all: the modes that keep image KV split it between the pool and that store (equal KV memory)."
-           if meta.get("equal_kv_memory") else ", and as much again for the image-KV store of the modes that keep one."),
+        f"every mode does the same work); KV pool {meta.get('kv_cache_mib_per_engine', '?')} MiB per samcache engine, "
+        "image KV included (held in the pool's own blocks).",
         f"- **Machine** {meta['device']}, torch {meta['torch']}, {meta['dtype']}; {meta['date']}.",
         "- **Modes** (each its own engine with fresh caches, same checkpoint, same prompts"
         + (" except `new-only`" if "new-only" in results["modes"] else "") + "):",
     ]
     lines += [f"  - `{m}`: {d}" for m, d in results["modes"].items()]
+    for r in runs:
+        if r.get("peer"):
+            p = r["peer"]
+            same = all(t.get("same_prompt_as_samcache") for t in r["turns"])
+            lines.append(f"- **Peer** `{r['name']}`: {p['engine']} in its own environment ({p['python']}), started in "
+                         f"{p['startup_s']:.0f} s, worker bound to {meta.get('threads', '?')} thread(s); TTFT = wall time "
+                         "of a one-token request (chat template, image processing, encoder, prefill); its prompts had "
+                         + ("the same token counts as samcache's on every turn." if same else
+                            "**other token counts than samcache's on some turns** (see results.json)."))
     lines += [
         "- **TTFT** is request start to first token: hashing, image processing, ViT, prefill (the benchmark hands "
         "the engine decoded pixels, so file decoding, the same in every mode, is not in it)"
@@ -131,15 +139,17 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "",
         "## Results",
         "",
-        "| run | recompute | TTFT p50 | TTFT p95 | TTFT mean | latency p50 | vs prefix (p50 / mean) | vs baseline "
-        "| computed tokens "
+        "| run | recompute | TTFT p50 | TTFT p95 | TTFT mean | latency p50 | vs prefix (p50 / mean) | vs vllm (p50 / mean) "
+        "| vs baseline | computed tokens "
         "| prefix reused | image KV reused | recomputed (layer 0) | ViT calls | prefix hit / ViT skipped / image-KV hit "
         "| peak KV held / live | decode tok/s | KL median | top-1 | greedy |",
-        "| --- " * 19 + "|",
+        "| --- " * 20 + "|",
     ]
+    peer = next((r for r in runs if r["mode"] == "vllm"), None)
     for r in runs:
         s = r["summary"]
         vs_prefix = ratio_cell(ref["summary"], s) if ref else "-"
+        vs_peer = ratio_cell(peer["summary"], s) if peer else "-"
         vs_base = f"{base['summary']['ttft_p50_ms'] / s['ttft_p50_ms']:.2f}×" if base else "-"
         kl, top1, greedy = fidelity_cells(s["fidelity"], r["mode"])
         levels = r["levels"]
@@ -149,12 +159,16 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
             _pct(s["image_kv_hit_rate"], levels["image_kv"]),
         ])
         ratio = f"{r['recompute']:g}" if r["recompute"] is not None else ("0" if r["mode"] == "no-recompute" else "-")
+        unknown = "-"  # a peer reports TTFT and prompt-cache hits only
+        latency = f"{s['latency_p50_ms']:.1f} ms" if s["latency_p50_ms"] is not None else unknown
+        kv = (f"{s['peak_kv_mib']:.1f} / {s['peak_live_kv_mib']:.1f} MiB" if s["peak_kv_mib"] is not None else unknown)
+        decode = f"{s['decode_tokens_per_s']:.1f}" if not r.get("peer") else unknown
         lines.append(
             f"| `{r['name']}` | {ratio} | {s['ttft_p50_ms']:.1f} ms | {s['ttft_p95_ms']:.1f} ms "
-            f"| {s['ttft_mean_ms']:.1f} ms | {s['latency_p50_ms']:.1f} ms | {vs_prefix} | {vs_base} | {s['computed_tokens']:,} "
+            f"| {s['ttft_mean_ms']:.1f} ms | {latency} | {vs_prefix} | {vs_peer} | {vs_base} | {s['computed_tokens']:,} "
             f"| {s['prefix_reused_tokens']:,} | {s['image_reused_tokens']:,} | {s['recomputed_tokens']:,} "
-            f"| {s['vit_calls']} | {rates} | {s['peak_kv_mib']:.1f} / {s['peak_live_kv_mib']:.1f} MiB "
-            f"| {s['decode_tokens_per_s']:.1f} | {kl} | {top1} | {greedy} |"
+            f"| {s['vit_calls'] if s['vit_calls'] is not None else unknown} | {rates} | {kv} "
+            f"| {decode} | {kl} | {top1} | {greedy} |"
         )
     floor = next((r for r in runs if r["mode"] == "new-only"), None)
     if floor and ref:
@@ -175,9 +189,9 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
               "sit on either kind). " + (f"With {trace['turns']} turns, p95 is close to the slowest turn. "
                                          if trace["turns"] < 20 else "") + "Prefix hit = prompt "
               "tokens adopted from the prefix cache; ViT skipped = images not run through the vision tower; image-KV "
-              "hit = known-image lookups past the prefix that hit; '-' where the mode has that level off. Peak KV held "
-              "= pool blocks in use or cached at the end of a turn plus the image-KV store (the samcache modes keep "
-              "that store in addition to the pool); live = the KV of the turn's own sequence.", ""]
+              "hit = known-image lookups past the prefix that hit; '-' where the mode has that level off or the peer "
+              "does not report it. Peak KV held = pool blocks in use or cached at the end of a turn (image KV is held "
+              "in those blocks); live = the KV of the turn's own sequence.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     lines += ["## Per turn", "", "| turn | " + " | ".join(f"`{n}` TTFT" for n in by_name) + " |",

@@ -16,6 +16,7 @@ tensor: no second copy).
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 import numpy as np
@@ -24,7 +25,8 @@ import torch
 from samcache import ops
 from samcache.engine.batch import StepBatch
 from samcache.engine.families import Family
-from samcache.engine.linear import linear, onednn_linears
+from samcache.engine.linear import linear
+from samcache.engine.vision import fast_vision
 from samcache.errors import UnsupportedModel
 
 
@@ -127,7 +129,7 @@ class ModelRunner:
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[torch.Tensor, tuple]]:
         """ViT outputs per image: (embeds [tokens, hidden], DeepStack features per layer or ())."""
-        with onednn_linears(self.visual):
+        with fast_vision(self.visual) if self.device.type == "cpu" else contextlib.nullcontext():
             out = self.model.model.get_image_features(
                 pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True
             )

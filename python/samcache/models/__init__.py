@@ -17,6 +17,9 @@ from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, SPECIAL_TOKENS, TOKENIZ
 #: of public checkpoints with random weights (and the tiny tokenizer), for GPU benchmarks.
 PRESETS: dict[str, dict] = {
     "tiny": {},
+    # The CPU comparison against vLLM (docs/benchmark.md): 4 layers, hidden 256, 4 heads over 2 KV
+    # heads of 64 dims (the layout of the measurement in the project's anchors), 4.0 M parameters.
+    "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768),
     "qwen2.5-vl-7b": dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, max_window_layers=28, mrope_section=[16, 24, 24],

