@@ -86,9 +86,9 @@ def test_report_builds_from_a_results_file(results, tmp_path):
     assert "## What was run" in text and "`samcache@0.05`" in text and "## Reproduce" in text
     row = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| `")}
     assert row["`samcache@0.5`"][2].strip() == "0.5" and row["`baseline`"][2].strip() == "-"
-    assert row["`baseline`"][14].strip() == "- / - / -" and row["`prefix`"][14].strip().endswith("/ -")
-    assert "exact" in row["`baseline`"][17] and "2 tokens a turn in every mode" in text
-    assert "n/a" in row["`new-only`"][17] and "`new-only` is a floor" in text
+    assert row["`baseline`"][15].strip() == "- / - / -" and row["`prefix`"][15].strip().endswith("/ -")
+    assert "exact" in row["`baseline`"][18] and "2 tokens a turn in every mode" in text
+    assert "n/a" in row["`new-only`"][18] and "`new-only` is a floor" in text
     assert row["`prefix`"][7].strip() == "1.00× / 1.00×" and "With 3 turns, p95 is close to the slowest" in text
     mean = results["runs"][0]["summary"]["ttft_mean_ms"]
     assert row["`baseline`"][5].strip() == f"{mean:.1f} ms"
@@ -194,6 +194,11 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
     assert capsys.readouterr().out.startswith("samcache ")
     assert main(["bench", "--scenario", "gui", "--repeat", "0", "--model", str(model)]) == 2
     assert "--repeat must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--threads", "0", "--model", str(model)]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "gui", "--modes", "prefix,vllm", "--vllm-python", "/nonexistent/python",
+                 "--model", str(model), "--quiet", "--turns", "1", *SMALL]) == 2
+    assert "--vllm-python '/nonexistent/python' is not an executable Python" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "gui", "--preset", "huge"])
     assert "invalid choice: 'huge'" in capsys.readouterr().err

@@ -183,6 +183,7 @@ def test_image_only_turns_and_warnings_that_point_at_the_caller(path, tmp_path):
 def test_warm_up_leaves_nothing_a_real_prompt_can_hit(path):
     engine = make_engine(path)
     engine.warm_up()
+    assert engine.pool.stats()["cached_blocks"] == 0 and len(engine.vit_store) == len(engine.image_kv_store) == 0
     r = engine.chat(messages=[{"role": "system", "content": "A real system prompt."},
                               user_message([screenshot(92, SIZE)], "hello")], max_new_tokens=1)
     assert r.metrics.prefix_reused_tokens == 0 and r.metrics.vit_calls == 1 and r.metrics.image_kv_hits == 0

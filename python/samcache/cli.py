@@ -34,9 +34,10 @@ def _bench(args) -> int:
         print(f"samcache bench: --recompute applies to the modes that recompute "
               f"({', '.join(m for m in MODES if MODES[m].recomputes)}); none of {', '.join(modes)} does", file=sys.stderr)
         return 2
-    if args.repeat < 1 or (args.threads is not None and args.threads < 1):
-        print("samcache bench: --repeat and --threads must be >= 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--repeat", args.repeat), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            print(f"samcache bench: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     params = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
     flags = {"turns": args.turns, "window": args.window,
              "size": tuple(args.image_size) if args.image_size is not None else None}

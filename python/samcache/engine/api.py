@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -279,15 +279,20 @@ class SAMcacheEngine:
         return results
 
     def warm_up(self, size: tuple[int, int] = (56, 56)) -> None:
-        """One throwaway turn over a synthetic image of ``size`` (h, w) no real prompt holds, so
-        first-call costs (allocations, the image path) stay out of the first measured turn. Its
-        own system prompt: no later prompt gets a prefix hit from it."""
+        """One throwaway turn over a synthetic image of ``size`` (h, w), so first-call costs
+        (allocations, the image path) stay out of the first measured turn. It reads no cache and
+        leaves nothing in any (prefix blocks, image KV, ViT outputs)."""
         from samcache.engine.synthetic import screenshot
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.chat(messages=[{"role": "system", "content": "samcache warm-up"},
-                                user_message([screenshot(987_654_321, size)], "warm-up")], max_new_tokens=2)
+        with self._lock:
+            prompt = self.build_prompt([{"role": "system", "content": "samcache warm-up"},
+                                        user_message([screenshot(987_654_321, size)], "warm-up")])
+            options = replace(self.request_options(), use_prefix=False, register_prefix=False, use_image_kv=False,
+                              store_images=False, store_vit=False)
+            for out in self.scheduler.run([Admission(prompt, Namespace(self.model_id, "samcache/warm-up"), options,
+                                                     Sampler(0.0), max_new_tokens=2)]):
+                if isinstance(out, BaseException):
+                    raise out
 
     def build_prompt(self, messages: Sequence[dict]) -> Prompt:
         """Chat messages -> token ids, image spans and M-RoPE positions (images decoded and hashed)."""
