@@ -111,7 +111,10 @@ class SAMcacheEngine:
     (an image's KV reused at any position, RoPE re-rotated, with ``recompute_ratio`` of its tokens
     recomputed, split across layers by ``recompute_budget``: ``"layer-aware"`` solves per-layer
     rates from sensitivity curves (:meth:`calibrate`, or ``sensitivity=`` curves / a JSON path),
-    ``"uniform"`` uses the same rate at every layer).
+    ``"uniform"`` uses the same rate at every layer). ``prefix_reuse="exact"`` (default) keeps blocks
+    whose KV came from reuse out of the prefix cache, so a prefix hit is always what a full prefill
+    would have computed; ``"approximate"`` adopts them too (the next turn of a session then reuses
+    its whole history, spliced images included), in a cache space of their own.
 
     Memory: ``kv_cache_bytes`` sizes the paged KV pool. Images' KV stays in the pool's blocks
     (held once, never copied beside them), at most ``image_kv_cache_bytes`` of it (default: the
@@ -135,6 +138,7 @@ class SAMcacheEngine:
         track2_share: float = 0.5,
         recompute_tracks: str = "both",
         prefix_cache: bool = True,
+        prefix_reuse: str = "exact",
         vit_cache: bool = True,
         image_kv_cache: bool = True,
         block_size: int = 16,
@@ -165,6 +169,8 @@ class SAMcacheEngine:
         check_seed(seed)
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
+        if prefix_reuse not in ("exact", "approximate"):
+            raise ValueError(f"prefix_reuse must be 'exact' or 'approximate', got {prefix_reuse!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
         self.model_path = pathlib.Path(model_path)
@@ -198,6 +204,7 @@ class SAMcacheEngine:
         self.use_prefix = cache_enabled and prefix_cache
         self.use_vit_cache = cache_enabled and vit_cache
         self.use_image_kv = cache_enabled and image_kv_cache
+        self.prefix_reuse = prefix_reuse
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_budget = recompute_budget
         self.head_fraction = head_fraction
@@ -310,7 +317,8 @@ class SAMcacheEngine:
             budget = RecomputeBudget(tuple(self.layer_budget(ratio).rates), head_fraction=self.head_fraction,
                                      track2_share=self.track2_share, tracks=self.recompute_tracks)
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
-                              register_prefix=self.use_prefix, store_images=self.use_image_kv, budget=budget)
+                              register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
+                              store_images=self.use_image_kv, budget=budget)
 
     def prefill(self, prompt: Prompt, *, tenant: str | None = None, options: RequestOptions | None = None
                 ) -> tuple[Prepared, torch.Tensor]:

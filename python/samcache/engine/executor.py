@@ -51,7 +51,8 @@ class RequestOptions:
 
     ``use_prefix`` / ``use_image_kv``: adopt the exact prefix / splice known images' KV.
     ``register_prefix``: hash this prompt's exact blocks (and its decode tokens) into the prefix
-    cache. ``store_images``: keep new images' KV for later turns. ``budget``: the recompute budget
+    cache. ``approximate_prefix``: adopt and register blocks whatever their KV came from, in a
+    prefix-cache space of their own (exact-only requests never see them). ``store_images``: keep new images' KV for later turns. ``budget``: the recompute budget
     of spliced tokens (None: none). ``vit_namespace``: where ViT outputs are looked up (default:
     the request's namespace); ``store_vit``: keep new ViT outputs there.
     """
@@ -59,6 +60,7 @@ class RequestOptions:
     use_prefix: bool = True
     use_image_kv: bool = True
     register_prefix: bool = True
+    approximate_prefix: bool = False
     store_images: bool = True
     budget: RecomputeBudget | None = None
     vit_namespace: Namespace | None = None
@@ -100,6 +102,14 @@ class Executor:
             ImageSlot(s.index, s.start, s.length, namespace.key(s.image.content), int(prompt.positions[0, s.start]))
             for s in prompt.images))
 
+    @staticmethod
+    def prefix_space(namespace: Namespace, options: RequestOptions) -> Namespace:
+        """The namespace a request's blocks are hashed under: its own, or for requests that accept
+        approximate KV a derived one (no model id holds a NUL), so the two never share blocks."""
+        if not options.approximate_prefix:
+            return namespace
+        return Namespace(namespace.model_id + "\x00approximate-prefix", namespace.tenant)
+
     def kv_check(self, span) -> tuple:
         """What an image's KV record must match: its grid, token count and the model's depth."""
         return (span.image.grid, span.length, self.runner.num_layers)
@@ -108,7 +118,7 @@ class Executor:
         pool, runner = self.pool, self.runner
         bs, n = pool.block_size, len(prompt)
         m = TurnMetrics(prompt_tokens=n, images=len(prompt.images))
-        seq = pool.new_sequence(namespace)
+        seq = pool.new_sequence(self.prefix_space(namespace, options))
         adopted, hashed = 0, False
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
@@ -128,7 +138,7 @@ class Executor:
             plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
                               cached={k: CachedImage(h.length, h.position) for k, h in held.items()})
             self._allocate(seq, prompt, adopted, plan, options)
-            hashed = options.register_prefix and plan.exact_tokens > adopted
+            hashed = options.register_prefix and (options.approximate_prefix or plan.exact_tokens > adopted)
             table = pool.block_table(seq)
             for span in plan.spliced:
                 h = held[layout.images[span.image].key]
@@ -166,7 +176,8 @@ class Executor:
         if need > pool.num_free_blocks():
             raise PromptTooLong(f"the prompt needs {need} more KV blocks but only {pool.num_free_blocks()} are free "
                                 "or evictable")
-        hash_until = max(adopted, plan.exact_tokens) if options.register_prefix else adopted
+        exact_until = n if options.approximate_prefix else max(adopted, plan.exact_tokens)
+        hash_until = exact_until if options.register_prefix else adopted
         if hash_until > adopted:
             res = pool.append_tokens(seq, prompt.token_ids[adopted:hash_until], prompt.extra_keys())
             self.runner.copy_on_write(res.copies)
