@@ -70,7 +70,7 @@ def make_batch(seed, lengths, rows, num_blocks_extra, bs, hkv, g, d, dtype):
     rows=st.lists(st.integers(1, 300), min_size=4, max_size=4),
     bs=st.sampled_from([1, 4, 16]),
     hkv=st.integers(1, 3),
-    g=st.sampled_from([1, 2, 4]),
+    g=st.sampled_from([1, 2, 3, 4, 7]),
     d=st.sampled_from([8, 32, 40, 64]),
     window=st.sampled_from([-1, 0, 1, 7, 300]),
     cap=st.sampled_from([0.0, 5.0]),

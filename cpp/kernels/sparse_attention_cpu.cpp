@@ -7,8 +7,8 @@
 //   paged cache into a transposed K buffer and a V buffer (float), then S = Q K^T and O += P V are
 //   ATen's cpublas::brgemm calls (oneDNN's JIT micro-kernels where the CPU has them: AVX-512 runs
 //   at ~2x MKL's sgemm rate on AMD), with a flash-style online softmax between them.
-// - Direct path (a few rows: decode): no gather; each key row is read once from the cache and
-//   dotted with every row of the task, so decode reads the KV once at memory speed.
+// - Direct path (a few rows: decode): no gather; one task per sequence, every head: each token's
+//   K and V rows (all KV heads) are read once, in order and prefetched, and dotted with every row.
 //
 // Softmax, dot products and row updates are written with GCC vector extensions in functions
 // compiled three times (target_clones: AVX-512, AVX2+FMA, baseline) and picked at load time.
@@ -146,10 +146,11 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
 namespace {
 
 constexpr int64_t kKeyChunk = 256;     // keys per step (S buffer: rows x 256 floats)
-constexpr int64_t kGemmRows = 256;     // (query, head) rows per GEMM task
+constexpr int64_t kGemmRows = 256;     // (query, head) rows per GEMM tile
+constexpr int64_t kTaskTiles = 8;      // tiles per GEMM task (they share each gathered key chunk)
 constexpr int64_t kRowAlign = 16;      // GEMM rows and key columns padded to multiples of these, so
 constexpr int64_t kKeyAlign = 32;      // brgemm sees few distinct shapes (each is JIT-compiled once)
-constexpr int64_t kDirectRows = 8;     // up to this many (query, head) rows per task: direct path
+constexpr int64_t kDirectRows = 32;    // up to this many (query, head) rows per sequence: direct path
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // ---- SIMD building blocks (GCC vector extensions; the callers are target_clones) -----------
@@ -164,15 +165,19 @@ inline vf16 load(const float* p) {
 }
 inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 inline vf16 splat(float x) { return vf16{} + x; }
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 inline float hmax(vf16 v) {
-  float m = v[0];
-  for (int i = 1; i < kW; ++i) m = std::max(m, v[i]);
-  return m;
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 c = a > b ? a : b;
+  const vf4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const vf4 f = d > e ? d : e;
+  return std::max(std::max(f[0], f[1]), std::max(f[2], f[3]));
 }
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < kW; ++i) s += v[i];
-  return s;
+inline float hsum(vf16 v) {  // a tree: four vector adds instead of fifteen dependent scalar ones
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[1]) + (b[2] + b[3]);
 }
 
 // exp(x) for x <= 0 (Cephes' expf: 2^k * p(r), |rel err| ~ 1e-7); x < -87.3 (and -inf) -> 0.
@@ -264,17 +269,25 @@ struct Batch {
 };
 
 struct Task {
-  int64_t seq, head, first, count;  // rows order[first .. first + count) of sequence seq
+  int64_t seq, head, first, count;  // rows order[first .. first + count) of sequence seq; KV head (GEMM path)
   bool direct;
 };
+
+// Queries per GEMM tile: about kGemmRows (query, head) rows.
+inline int64_t gemm_tile_queries(int64_t G) { return std::max<int64_t>(1, kGemmRows / G); }
+
+// Rows of a GEMM task's buffers: its tiles, each padded to kRowAlign.
+inline int64_t gemm_task_rows(int64_t G) {
+  return kTaskTiles * ((gemm_tile_queries(G) * G + kRowAlign - 1) / kRowAlign * kRowAlign);
+}
 
 // Per-thread work buffers.
 struct Scratch {
   std::vector<float> q, kt, v, s, o, m, l, row;
-  explicit Scratch(int64_t D) : kt(D * kKeyChunk), v(kKeyChunk * D), row(D) {
-    const int64_t rows = std::max(kGemmRows + kRowAlign, kDirectRows);
+  Scratch(int64_t D, int64_t Hkv, int64_t G) : kt(D * kKeyChunk), v(kKeyChunk * D), row(Hkv * D) {
+    const int64_t rows = std::max(gemm_task_rows(G), kDirectRows);
     q.resize(rows * D);
-    s.resize(rows * kKeyChunk);
+    s.resize(std::max(gemm_tile_queries(G) * G + kRowAlign, kDirectRows) * kKeyChunk);
     o.resize(rows * D);
     m.resize(rows);
     l.resize(rows);
@@ -297,9 +310,10 @@ KeyRange task_range(const Batch& bt, const Task& t) {
 SAMCACHE_SIMD_CLONES
 void softmax_rows(const Batch& bt, const Task& t, int64_t c0, int64_t n, int64_t width, int64_t ld, float* s, float* o,
                   float* m, float* l) {
-  const int64_t rows = t.count * bt.G;
+  const int64_t per_query = t.direct ? bt.Hq : bt.G;  // (query, head) rows: all heads, or one KV head's
+  const int64_t rows = t.count * per_query;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t p = bt.pos[bt.order[t.first + r / bt.G]];
+    const int64_t p = bt.pos[bt.order[t.first + r / per_query]];
     float* sr = s + r * ld;
     const int64_t first = bt.window > 0 ? std::clamp<int64_t>(p - bt.window + 1 - c0, 0, n) : 0;
     const int64_t last = std::clamp<int64_t>(p - c0 + 1, 0, n);
@@ -348,46 +362,106 @@ SAMCACHE_SIMD_CLONES void gather_chunk(const Batch& bt, const Task& t, const T* 
   }
 }
 
+// A task's queries in tiles of up to kGemmRows (query, head) rows; each key chunk is gathered
+// once per task and used by every tile that sees it, so K and V are read once per (sequence, KV
+// head, task), not once per tile. Tiles keep their own online-softmax state across chunks. In
+// the Q / O / m / l buffers each tile starts at a multiple of kRowAlign rows, so a tile's
+// padding rows (brgemm computes whole kRowAlign groups) never overlap the next tile.
 template <typename T>
 void gemm_task(const Batch& bt, const Task& t, const float* qf, const T* kc, const T* vc, Scratch& sc, float* out,
                float* lse) {
-  const int64_t D = bt.D, G = bt.G, rows = t.count * G;
-  const int64_t mp = (rows + kRowAlign - 1) / kRowAlign * kRowAlign;
+  const int64_t D = bt.D, G = bt.G;
+  const int64_t tile = gemm_tile_queries(G), padded = (tile * G + kRowAlign - 1) / kRowAlign * kRowAlign;
+  const int64_t tiles = (t.count + tile - 1) / tile;
+  auto slot = [&](int64_t i) { return (i / tile) * padded + (i % tile) * G; };  // buffer row of query i, g = 0
   float* Q = sc.q.data();
-  for (int64_t i = 0; i < t.count; ++i) {  // row i * G + g = query i, head head * G + g (pre-scaled)
+  std::fill(Q, Q + tiles * padded * D, 0.f);
+  std::fill(sc.o.begin(), sc.o.begin() + tiles * padded * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + tiles * padded, -kInf);
+  std::fill(sc.l.begin(), sc.l.begin() + tiles * padded, 0.f);
+  for (int64_t i = 0; i < t.count; ++i) {  // query i, head head * G + g (pre-scaled)
     const float* src = qf + (bt.order[t.first + i] * bt.Hq + t.head * G) * D;
-    for (int64_t x = 0; x < G * D; ++x) Q[i * G * D + x] = src[x] * bt.scale;
+    float* dst = Q + slot(i) * D;
+    for (int64_t x = 0; x < G * D; ++x) dst[x] = src[x] * bt.scale;
   }
-  std::fill(Q + rows * D, Q + mp * D, 0.f);
-  std::fill(sc.o.begin(), sc.o.begin() + mp * D, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -kInf);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
   const KeyRange range = task_range(bt, t);
   for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
     const int64_t np = (n + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
     gather_chunk(bt, t, kc, vc, c0, n, np, sc.kt.data(), sc.v.data());
-    at::native::cpublas::brgemm(mp, np, D, D, kKeyChunk, kKeyChunk, false, Q, sc.kt.data(), sc.s.data(), false);
-    softmax_rows(bt, t, c0, n, np, kKeyChunk, sc.s.data(), sc.o.data(), sc.m.data(), sc.l.data());
-    at::native::cpublas::brgemm(mp, D, np, kKeyChunk, D, D, true, sc.s.data(), sc.v.data(), sc.o.data(), false);
+    for (int64_t q0 = 0; q0 < t.count; q0 += tile) {
+      const Task sub{t.seq, t.head, t.first + q0, std::min(tile, t.count - q0), false};
+      const KeyRange seen = task_range(bt, sub);
+      if (seen.hi < c0 || seen.lo >= c0 + n) continue;  // this tile sees none of the chunk
+      const int64_t tn = std::min(n, seen.hi + 1 - c0), tnp = (tn + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
+      const int64_t r0 = slot(q0), mp = (sub.count * G + kRowAlign - 1) / kRowAlign * kRowAlign;
+      at::native::cpublas::brgemm(mp, tnp, D, D, kKeyChunk, kKeyChunk, false, Q + r0 * D, sc.kt.data(), sc.s.data(),
+                                  false);
+      softmax_rows(bt, sub, c0, tn, tnp, kKeyChunk, sc.s.data(), sc.o.data() + r0 * D, sc.m.data() + r0,
+                   sc.l.data() + r0);
+      at::native::cpublas::brgemm(mp, D, tnp, kKeyChunk, D, D, true, sc.s.data(), sc.v.data(), sc.o.data() + r0 * D,
+                                  false);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = bt.order[t.first + r / G], head = t.head * G + r % G;
-    const float inv = 1.f / sc.l[r];
-    float* dst = out + (row * bt.Hq + head) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = sc.o[r * D + d] * inv;
-    lse[row * bt.Hq + head] = sc.m[r] + std::log(sc.l[r]);
+  for (int64_t i = 0; i < t.count; ++i) {
+    const int64_t row = bt.order[t.first + i];
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = slot(i) + g, head = t.head * G + g;
+      const float inv = 1.f / sc.l[r];
+      float* dst = out + (row * bt.Hq + head) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = sc.o[r * D + d] * inv;
+      lse[row * bt.Hq + head] = sc.m[r] + std::log(sc.l[r]);
+    }
   }
 }
 
+// Prefetches the cache lines of one token's row (every KV head) ahead of its use: pages are
+// scattered, so the hardware prefetcher loses the stream at every block boundary.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+}
+
+template <typename T>
+inline const float* as_float(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t d = 0; d < n; ++d) buf[d] = to_float(src[d]);
+    return buf;
+  }
+}
+
+// o[0 .. 16 NV) += sum_j p[j] * v(j)[0 .. 16 NV), with o held in NV vector registers; v(j) is
+// the row at element offset offset(j) of v.
+template <int NV, typename Offset>
+inline void accumulate_rows(float* o, const float* p, const float* v, int64_t n, Offset offset, bool prefetch) {
+  constexpr int64_t kAhead = 16;  // tokens prefetched ahead (the first row reads the chunk from memory)
+  vf16 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = load(o + i * kW);
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + kAhead < n)
+      for (int i = 0; i < NV; i += 4) __builtin_prefetch(v + offset(j + kAhead) + i * kW, 0, 0);
+    if (p[j] == 0.f) continue;
+    const vf16 pj = splat(p[j]);
+    const float* row = v + offset(j);
+    for (int i = 0; i < NV; ++i) acc[i] += pj * load(row + i * kW);
+  }
+  for (int i = 0; i < NV; ++i) store(o + i * kW, acc[i]);
+}
+
+// One sequence, every query head at once: each token's K and V rows (all KV heads, contiguous)
+// are read once, in order, prefetched a few tokens ahead, and dotted with every row.
 template <typename T>
 SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const float* qf, const T* kc, const T* vc,
                                       Scratch& sc, float* out, float* lse) {
-  const int64_t D = bt.D, G = bt.G, rows = t.count * G;
+  constexpr int64_t kAhead = 32;  // tokens prefetched ahead
+  const int64_t D = bt.D, Hq = bt.Hq, G = bt.G, rows = t.count * Hq, row_elems = bt.Hkv * D;
   float* Q = sc.q.data();
   for (int64_t i = 0; i < t.count; ++i) {
-    const float* src = qf + (bt.order[t.first + i] * bt.Hq + t.head * G) * D;
-    for (int64_t x = 0; x < G * D; ++x) Q[i * G * D + x] = src[x] * bt.scale;
+    const float* src = qf + bt.order[t.first + i] * Hq * D;
+    for (int64_t x = 0; x < Hq * D; ++x) Q[i * Hq * D + x] = src[x] * bt.scale;
   }
   float* O = sc.o.data();
   std::fill(O, O + rows * D, 0.f);
@@ -399,38 +473,40 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
   for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t off = bt.offset(t.seq, c0 + j, t.head);
-      const float* k = nullptr;
-      if constexpr (std::is_same_v<T, float>) {
-        k = kc + off;
-      } else {
-        for (int64_t d = 0; d < D; ++d) buf[d] = to_float(kc[off + d]);
-        k = buf;
-      }
-      for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k, D);
+      if (j + kAhead < n) prefetch_row(kc + bt.offset(t.seq, c0 + j + kAhead, 0), row_elems * sizeof(T));
+      const float* k = as_float(kc + bt.offset(t.seq, c0 + j, 0), row_elems, buf);
+      for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k + (r % Hq) / G * D, D);
     }
     softmax_rows(bt, t, c0, n, n, kKeyChunk, S, O, sc.m.data(), sc.l.data());
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t off = bt.offset(t.seq, c0 + j, t.head);
-      const float* v = nullptr;
-      if constexpr (std::is_same_v<T, float>) {
-        v = vc + off;
-      } else {
-        for (int64_t d = 0; d < D; ++d) buf[d] = to_float(vc[off + d]);
-        v = buf;
+    if (std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128)) {
+      // Rows outer, the row's output in registers: the chunk's V rows come from DRAM for the
+      // first row and from L2 for the others.
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* vh = reinterpret_cast<const float*>(vc) + (r % Hq) / G * D;
+        const float* p = S + r * kKeyChunk;
+        auto offset = [&](int64_t j) { return bt.offset(t.seq, c0 + j, 0); };
+        const bool first = r % G == 0;  // the first row of each KV head reads its V from memory
+        if (D == 32) accumulate_rows<2>(O + r * D, p, vh, n, offset, first);
+        else if (D == 64) accumulate_rows<4>(O + r * D, p, vh, n, offset, first);
+        else accumulate_rows<8>(O + r * D, p, vh, n, offset, first);
       }
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + kAhead < n) prefetch_row(vc + bt.offset(t.seq, c0 + j + kAhead, 0), row_elems * sizeof(T));
+      const float* v = as_float(vc + bt.offset(t.seq, c0 + j, 0), row_elems, buf);
       for (int64_t r = 0; r < rows; ++r) {
         const float p = S[r * kKeyChunk + j];
-        if (p != 0.f) axpy(O + r * D, p, v, D);
+        if (p != 0.f) axpy(O + r * D, p, v + (r % Hq) / G * D, D);
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = bt.order[t.first + r / G], head = t.head * G + r % G;
+    const int64_t row = bt.order[t.first + r / Hq], head = r % Hq;
     const float inv = 1.f / sc.l[r];
-    float* dst = out + (row * bt.Hq + head) * D;
+    float* dst = out + (row * Hq + head) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = O[r * D + d] * inv;
-    lse[row * bt.Hq + head] = sc.m[r] + std::log(sc.l[r]);
+    lse[row * Hq + head] = sc.m[r] + std::log(sc.l[r]);
   }
 }
 
@@ -467,24 +543,29 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, con
   bt.pos = read_int64(q_pos);
   bt.order.resize(s.num_rows);
   std::vector<Task> tasks;
-  const int64_t tile = std::max<int64_t>(1, kGemmRows / bt.G);
+  // GEMM tasks: up to kTaskTiles tiles of one (sequence, KV head), so a long prompt still splits
+  // into several tasks for the threads while each key chunk serves many tiles.
+  const int64_t task_queries = kTaskTiles * gemm_tile_queries(bt.G);
   for (int64_t b = 0; b < s.num_seqs; ++b) {
     const int64_t lo = bt.qo[b], hi = bt.qo[b + 1];
     if (hi == lo) continue;
     std::iota(bt.order.begin() + lo, bt.order.begin() + hi, lo);
     std::stable_sort(bt.order.begin() + lo, bt.order.begin() + hi,
                      [&](int64_t a, int64_t c) { return bt.pos[a] < bt.pos[c]; });
-    const bool direct = (hi - lo) * bt.G <= kDirectRows;
+    if ((hi - lo) * bt.Hq <= kDirectRows) {  // few rows (decode): one task, every head
+      tasks.push_back({b, 0, lo, hi - lo, true});
+      continue;
+    }
     for (int64_t h = 0; h < bt.Hkv; ++h)
-      for (int64_t first = lo; first < hi; first += direct ? hi - lo : tile)
-        tasks.push_back({b, h, first, std::min(direct ? hi - lo : tile, hi - first), direct});
+      for (int64_t first = lo; first < hi; first += task_queries)
+        tasks.push_back({b, h, first, std::min(task_queries, hi - first), false});
   }
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key_cache.scalar_type(), "sparse_attention_cpu", [&] {
     const scalar_t* kc = key_cache.data_ptr<scalar_t>();
     const scalar_t* vc = value_cache.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      Scratch sc(bt.D);
+      Scratch sc(bt.D, bt.Hkv, bt.G);
       for (int64_t i = begin; i < end; ++i) {
         const Task& t = tasks[i];
         if (t.direct)

@@ -30,6 +30,9 @@ from samcache.engine.vision import fast_vision
 from samcache.errors import UnsupportedModel
 
 
+_MLP_ROWS = 1024  # rows per MLP chunk: 1,024 x (2 x 768) float32 intermediates are 6 MB
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -162,6 +165,8 @@ class ModelRunner:
         fused = self._gate_up[l]
         if fused is None:  # MoE: the model's own block (router, experts)
             return mlp(x[None])[0]
+        if x.shape[0] > _MLP_ROWS:  # a big batch: in row chunks, so the intermediates stay in cache
+            return torch.cat([self._mlp(l, part) for part in x.split(_MLP_ROWS)])
         gate, up = linear(x, *fused).chunk(2, dim=-1)
         return linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 

@@ -1,0 +1,119 @@
+"""Batched serving: N concurrent GUI-agent sessions served together vs one after another.
+
+Every session is a GUI agent at a steady turn: it has seen 3 screenshots (its own) and now sends
+them again with a new one (a sliding window of 4), so its prompt reuses 3 images' KV and
+computes the new screenshot and the text. Two engines over the same weights run the same
+requests: ``alone`` serves the sessions one after another, ``batched`` serves them in one
+``chat_batch`` call (prefills share forward steps, then every decode step carries one row per
+session). Both decode ``--new-tokens`` tokens (end tokens ignored).
+
+Reported: decode throughput (tokens/s over all sessions) of each, its ratio; prefill throughput
+(computed prompt tokens / time to the last first token); and whether every session's tokens are
+identical both ways.
+
+    python bench/bench_batch.py --preset small --threads 1            # 8 sessions, 1280x720
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from samcache.engine import ChatRequest, SAMcacheEngine, screenshot
+from samcache.engine.prompt import user_message
+from samcache.models import PRESETS, build_preset
+
+
+def session_turns(session: int, size: tuple[int, int]) -> tuple[list[dict], list[dict]]:
+    """(the earlier turn, the measured turn) of one session: 3 screenshots, then the same 3 and a new one."""
+    shots = [screenshot(10_000 * (session + 1) + i, size) for i in range(4)]
+    system = f"You are GUI agent {session}. Answer with one action."
+    earlier = [{"role": "system", "content": system}, user_message(shots[:3], "Step 2. What is the next action?")]
+    now = [{"role": "system", "content": system}, user_message(shots, "Step 3. What is the next action?")]
+    return earlier, now
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or build_preset("qwen2_5_vl", args.preset, pathlib.Path(tempfile.mkdtemp()) / "model")
+    size = tuple(args.image_size)
+    common = dict(device="cpu", kv_cache_bytes=args.kv_cache_mib << 20, recompute_budget="uniform")
+    alone = SAMcacheEngine(model, **common)
+    batched = SAMcacheEngine(model, **common, share_weights_with=alone)
+    turns = [session_turns(s, size) for s in range(args.sessions)]
+    requests = [ChatRequest(messages=now, max_new_tokens=args.new_tokens, ignore_eos=True) for _, now in turns]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for engine in (alone, batched):
+            engine.warm_up()
+            for earlier, _ in turns:  # every session's earlier turn: its screenshots become known
+                engine.chat(messages=earlier, max_new_tokens=1)
+        t0 = time.perf_counter()
+        one_by_one = [alone.chat(**vars(r)) for r in requests]
+        alone_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        together = batched.chat_batch(requests)
+        batch_s = time.perf_counter() - t0
+    n = args.new_tokens
+    alone_decode = [(n - 1) / r.metrics.decode_tokens_per_s for r in one_by_one]  # each session's decode time
+    batch_decode = statistics.median((n - 1) / r.metrics.decode_tokens_per_s for r in together)
+    computed = [r.metrics.prefilled_tokens + r.metrics.recomputed_tokens for r in one_by_one]
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": f"cpu, {torch.get_num_threads()} threads",
+        "model": str(model), "preset": args.preset, "sessions": args.sessions, "new_tokens": n,
+        "image_size": list(size),
+        "prompt_tokens": [r.metrics.prompt_tokens for r in one_by_one],
+        "computed_tokens": computed,
+        "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(one_by_one, together)),
+        "decode_tok_s_one_session": statistics.median(r.metrics.decode_tokens_per_s for r in one_by_one),
+        "decode_tok_s_alone_total": args.sessions * (n - 1) / sum(alone_decode),
+        "decode_tok_s_batched": args.sessions * (n - 1) / batch_decode,
+        "prefill_tok_s_alone": sum(computed) / sum(r.metrics.ttft_s for r in one_by_one),
+        "prefill_tok_s_batched": sum(computed) / max(r.metrics.ttft_s for r in together),
+        "wall_s_alone": alone_s, "wall_s_batched": batch_s,
+    }
+    out["decode_ratio"] = out["decode_tok_s_batched"] / out["decode_tok_s_one_session"]
+    out["prefill_ratio"] = out["prefill_tok_s_batched"] / out["prefill_tok_s_alone"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: build --preset)")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--image-size", type=int, nargs=2, default=(720, 1280), metavar=("H", "W"))
+    p.add_argument("--kv-cache-mib", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    if args.sessions < 1 or args.new_tokens < 2:
+        p.error("--sessions must be >= 1 and --new-tokens >= 2")
+    out = run(args)
+    print(f"{out['sessions']} GUI sessions ({out['image_size'][1]}x{out['image_size'][0]} screenshots, "
+          f"{statistics.median(out['prompt_tokens'])} prompt tokens each), {out['new_tokens']} new tokens, "
+          f"{out['device']}, {out['date']}")
+    print(f"decode: one session {out['decode_tok_s_one_session']:.0f} tok/s; {out['sessions']} together "
+          f"{out['decode_tok_s_batched']:.0f} tok/s = {out['decode_ratio']:.2f}x one session's")
+    print(f"prefill: one by one {out['prefill_tok_s_alone']:.0f} tok/s; together {out['prefill_tok_s_batched']:.0f} "
+          f"tok/s = {out['prefill_ratio']:.2f}x")
+    print(f"outputs identical to serving each alone: {out['identical_outputs']}; wall {out['wall_s_alone']:.2f} s "
+          f"one by one, {out['wall_s_batched']:.2f} s together")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
