@@ -131,3 +131,23 @@ def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypa
     with vision.fast_vision(visual):
         assert config._attn_implementation == vision.ATTENTION_NAME
     assert config._attn_implementation == "sdpa"
+
+
+def test_runtime_code_never_imports_the_test_fixture_builders():
+    code = ("import sys, samcache.engine, samcache.reuse, samcache.stores, samcache.eval, samcache.benchmark, "
+            "samcache.peers.vllm_launcher; print(sorted(m for m in sys.modules if m.startswith('samcache.models')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_one_family_registry_serves_the_runner_the_loader_and_the_builders():
+    from samcache.engine.families import FAMILIES, get_family
+    from samcache.models import FAMILIES as BUILDABLE
+    from samcache.models import model_class
+
+    assert tuple(FAMILIES) == BUILDABLE
+    for name, family in FAMILIES.items():
+        assert model_class(name).__name__ == family.architecture == get_family(name).architecture
+    with pytest.raises(ValueError, match="unknown model family 'llama'"):
+        get_family("llama")

@@ -41,12 +41,15 @@ class SequenceStep:
 
 @dataclass
 class RowSubset:
-    """The rows one or more layers compute: indices into the step's rows, their slots and metadata."""
+    """The rows one or more layers compute: indices into the step's rows, their slots and metadata,
+    and which of them are visual rows taking DeepStack features (at ``deepstack_visual``, feature
+    rows ``deepstack_index``): all on the device, built once per step."""
 
     index: torch.Tensor
     slots: torch.Tensor
     meta: AttentionMetadata
-    deepstack_rows: torch.Tensor | None = None
+    deepstack_visual: torch.Tensor | None = None
+    deepstack_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,9 +93,17 @@ class StepBatch:
                     for layer, f in enumerate(s.deepstack_features):
                         feats[layer].append(f)
                     base += int(s.deepstack_features[0].shape[0])
-            ds_rows = torch.from_numpy(np.concatenate(rows)).to(device)
+            ds_rows = np.concatenate(rows)
             ds_feats = [torch.cat(f) for f in feats]
-        all_rows = RowSubset(all_index, slots_t, meta, ds_rows)
+
+        def visual(rows_of_subset: np.ndarray | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if ds_rows is None:
+                return None, None
+            feature = ds_rows if rows_of_subset is None else ds_rows[rows_of_subset]
+            where = np.flatnonzero(feature >= 0)
+            return torch.from_numpy(where).to(device), torch.from_numpy(feature[where]).to(device)
+
+        all_rows = RowSubset(all_index, slots_t, meta, *visual(None))
 
         layers: list[RowSubset | None] = []
         previous: tuple[np.ndarray, RowSubset | None] | None = None
@@ -110,7 +121,7 @@ class StepBatch:
                 continue
             idx = torch.from_numpy(index).to(device)
             subset = RowSubset(idx, slots_t.index_select(0, idx), meta.select(idx, [p.size for p in parts]),
-                               ds_rows.index_select(0, idx) if ds_rows is not None else None)
+                               *visual(index))
             layers.append(subset)
             previous = (index, subset)
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds

@@ -198,11 +198,8 @@ class ModelRunner:
                                           scale=float(attn.scaling), window=self.windows[l])
             x = x + linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
             x = x + self._mlp(l, layer.post_attention_layernorm(x))
-            if batch.deepstack_features is not None and l < len(batch.deepstack_features):
-                visual = torch.nonzero(sub.deepstack_rows >= 0).flatten()
-                if visual.numel():
-                    x = x.clone()
-                    x[visual] += batch.deepstack_features[l][sub.deepstack_rows[visual]]
+            if batch.deepstack_features is not None and l < len(batch.deepstack_features) and sub.deepstack_visual.numel():
+                x = x.index_add(0, sub.deepstack_visual, batch.deepstack_features[l].index_select(0, sub.deepstack_index))
             if rows is None:
                 h = x
             else:
