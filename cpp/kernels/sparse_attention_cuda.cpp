@@ -3,7 +3,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/diff.h>
 #include <ATen/ops/repeat_interleave.h>
 #include <ATen/ops/sort.h>
@@ -46,8 +45,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   const at::Tensor kvp = kv_indptr.to(at::kInt).contiguous();
   const at::Tensor pages = kv_indices.to(at::kInt).contiguous();
   const at::Tensor last = kv_last_page_len.to(at::kInt).contiguous();
-  // Each row's sequence, from qo_indptr without a host sync (the row count is known).
-  const at::Tensor seq = at::repeat_interleave(at::arange(s.num_seqs, qo.options()), qo.diff(), s.num_rows).to(at::kInt);
+  // Each row's sequence, from qo_indptr without a host sync (the row count is known):
+  // repeat_interleave(counts) = [0] * counts[0] + [1] * counts[1] + ...
+  const at::Tensor seq = at::repeat_interleave(qo.diff().to(at::kLong), s.num_rows).to(at::kInt);
 
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
