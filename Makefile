@@ -84,7 +84,10 @@ test: cuda-check ctest pytest
 bench: install
 	$(BUILD)/samcache_bench_core
 	$(PY) bench/bench_batch_api.py
+	$(PY) bench/bench_sparse_attention.py --threads 1
+	$(PY) bench/bench_cpu_paths.py --threads 1
 	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_batch.py --threads 1
 
 demo: install
 	$(BUILD)/samcache_bench_core --quick

@@ -151,3 +151,16 @@ def test_one_family_registry_serves_the_runner_the_loader_and_the_builders():
         assert model_class(name).__name__ == family.architecture == get_family(name).architecture
     with pytest.raises(ValueError, match="unknown model family 'llama'"):
         get_family("llama")
+
+
+def test_batch_benchmark_runs(tiny_checkpoints, tmp_path):
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_batch.py"
+    out = subprocess.run([sys.executable, str(bench), "--model", str(tiny_checkpoints["qwen2_5_vl"]), "--sessions", "3",
+                          "--new-tokens", "4", "--image-size", "112", "168", "--kv-cache-mib", "64",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["identical_outputs"] is True and r["sessions"] == 3 and len(r["computed_tokens"]) == 3
+    assert all(c < p for c, p in zip(r["computed_tokens"], r["prompt_tokens"]))  # 3 of 4 screenshots reused
