@@ -92,9 +92,9 @@ bench: install
 demo: install
 	$(BUILD)/samcache_bench_core --quick
 	$(PY) -m samcache.demo
-	@echo; echo "short gui benchmark: 10 turns, window of 3, today's engines (prefix + ViT cache) vs samcache"
+	@echo; echo "short gui benchmark: 10 turns, window of 3, today's engines (prefix + ViT cache) vs samcache, small model"
 	$(PY) -m samcache bench --scenario gui --turns 10 --window 3 --modes prefix,samcache --no-fidelity --quiet \
-	  --out bench/out/demo-gui
+	  --preset small --out bench/out/demo-gui
 
 # For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages the one
 # build inputs it lacks (xxhash.h, the nvidia-cutlass wheel) in .gpu/ (git-ignored; carry it), then `make gpu` there builds

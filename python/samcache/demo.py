@@ -1,4 +1,4 @@
-"""``make demo``: a scripted GUI agent on a tiny local Qwen2.5-VL, with and without samcache.
+"""``make demo``: a scripted GUI agent on a small local Qwen2.5-VL, with and without samcache.
 
 The agent keeps its last 3 screenshots (1280x720, 1,196 image tokens each) in the prompt; every
 turn adds a new screenshot and drops the oldest, so the exact prefix breaks every turn while two
@@ -23,7 +23,7 @@ import warnings
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="samcache demo: a GUI agent with and without samcache")
-    p.add_argument("--model", help="a Qwen2.5-VL / Qwen3-VL-MoE checkpoint directory (default: build a tiny one)")
+    p.add_argument("--model", help="a Qwen2.5-VL / Qwen3-VL-MoE checkpoint directory (default: build a small one)")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--window", type=int, default=3)
     p.add_argument("--device", default="cpu")
@@ -35,12 +35,12 @@ def main(argv=None) -> None:
     transformers.utils.logging.disable_progress_bar()  # weight loading bars: noise in a walkthrough
     from samcache.engine import SAMcacheEngine, screenshot
     from samcache.engine.prompt import user_message
-    from samcache.models import build_tiny_model
+    from samcache.models import build_preset
 
     model = args.model
-    if model is None:
-        model = build_tiny_model("qwen2_5_vl", pathlib.Path(tempfile.mkdtemp(prefix="samcache-demo-")) / "tiny-qwen2.5-vl")
-        print(f"built a tiny random-weight Qwen2.5-VL checkpoint in {model}")
+    if model is None:  # the `small` preset: the checkpoint of the comparison with vLLM in docs/benchmark.md
+        model = build_preset("qwen2_5_vl", "small", pathlib.Path(tempfile.mkdtemp(prefix="samcache-demo-")) / "small-qwen2.5-vl")
+        print(f"built a small random-weight Qwen2.5-VL checkpoint (4 layers, 4.0 M parameters) in {model}")
     fast = SAMcacheEngine(model, device=args.device, recompute_ratio=args.recompute)
     today = SAMcacheEngine(model, device=args.device, image_kv_cache=False, share_weights_with=fast)
     plain = SAMcacheEngine(model, device=args.device, cache_enabled=False, share_weights_with=fast)
@@ -102,7 +102,8 @@ def main(argv=None) -> None:
           f"{statistics.median(vs_plain):.1f}x vs no cache")
     print(f"the sub-agent turn (its own system prompt, every screenshot known): {sub_today:.1f}x vs prefix + ViT "
           f"caching, {sub_plain:.1f}x vs no cache")
-    print("each GUI turn brings one new screenshot, whose ViT and prefill no cache can skip: see docs/benchmark.md.")
+    print("each GUI turn brings one new screenshot, whose ViT and prefill no cache can skip; against the real vLLM on")
+    print("this checkpoint: `make vllm-env && samcache bench --scenario gui --modes prefix,samcache,vllm --preset small`.")
     print("prefilled = computed from scratch (new text, the new screenshot); img-KV = tokens of known screenshots whose")
     print("KV was spliced in at their new positions (RoPE re-rotated); recomp = of those, recomputed at the first layer;")
     print("speedup = prefix+ViT TTFT / samcache TTFT; every TTFT is one sample on a shared machine.")
