@@ -27,6 +27,28 @@ def test_append_returns_int32_slots_in_table_order():
     assert pool.num_tokens(seq) == 10 and pool.num_free_blocks() == 5
 
 
+def test_share_blocks_holds_a_span_of_blocks_and_refuses_bad_ranges():
+    pool = BlockPool(8, 4)
+    seq = pool.new_sequence()
+    pool.append_tokens(seq, list(range(14)))
+    table = pool.block_table(seq)
+    holder = pool.share_blocks(seq, 1, 2)
+    assert pool.block_table(holder).tolist() == table[1:3].tolist() and pool.num_tokens(holder) == 8
+    assert [pool.refcount(int(b)) for b in table] == [1, 2, 2, 1]
+    appended = pool.append_slots(holder, 1)  # a holder's tail is full: an append takes a new block
+    assert appended.copies.size == 0 and int(appended.slots[0]) // 4 not in table.tolist()
+    pool.free_sequence(seq)
+    assert [pool.refcount(int(b)) for b in table[1:3]] == [1, 1]
+    for first, count, exc in ((-1, 1, ValueError), (1, 0, ValueError), (3, 2, ValueError), (0, True, TypeError)):
+        with pytest.raises(exc):
+            pool.share_blocks(holder, first, count)
+    with pytest.raises(NotFound):
+        pool.share_blocks(seq, 0, 1)  # freed
+    pool.free_sequence(holder)
+    pool.check_invariants()
+    assert pool.num_free_blocks() == 8
+
+
 def test_fork_shares_then_copies_on_write():
     pool = BlockPool(8, 4)
     a = pool.new_sequence()
