@@ -12,7 +12,6 @@ device<->pinned host for the tiering swaps), also counted as read + written.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 

@@ -11,7 +11,6 @@ also prints GB/s (key bytes read + written) and the fraction of a measured devic
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 

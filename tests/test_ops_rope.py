@@ -1,6 +1,5 @@
 """rope_rerotate / rope_rerotate_write against a float64 RoPE written from the transformers formulas."""
 
-import math
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ looks its plan up (plan/run split).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,8 +62,6 @@ class StepBatch:
     layers: list[RowSubset | None]
     logit_rows: torch.Tensor  # [B] each sequence's last row
     deepstack_features: list[torch.Tensor] | None = None
-    num_seqs: int = 0
-    row_counts: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, steps: list[SequenceStep], *, num_layers: int, block_size: int,
@@ -127,8 +125,7 @@ class StepBatch:
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
         positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
         return cls(embeds=embeds, positions=positions.to(device), all_rows=all_rows, layers=layers,
-                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
-                   num_seqs=len(steps), row_counts=counts)
+                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats)
 
 
 def _slots(block_table: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:

@@ -41,12 +41,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear layers over the same input, the layers' own
     parameters becoming views of it (done once per model; later calls find the views)."""
-    weights = [m.weight for m in modules]
-    base = weights[0].data
     fused = getattr(modules[0], f"_samcache_{name}", None)
     if fused is not None:
         return fused
-    w = torch.cat([x.data for x in weights])
+    w = torch.cat([m.weight.data for m in modules])
     biases = [m.bias for m in modules]
     b = torch.cat([x.data for x in biases]) if all(x is not None for x in biases) else None
     row = 0
@@ -56,7 +54,6 @@ def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torc
         if b is not None:
             m.bias.data = b[row: row + n]
         row += n
-    del base
     modules[0].__dict__[f"_samcache_{name}"] = (w, b)
     return w, b
 

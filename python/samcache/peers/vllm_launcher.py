@@ -99,20 +99,20 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         log = pathlib.Path(log_path) if log_path else scratch / "vllm.log"
+        where = f" (log: {log})" if log_path else ""
         with open(log, "w", encoding="utf-8") as out:
             try:
                 proc = subprocess.run([str(exe), str(PEER_SCRIPT), str(scratch / "request.json"),
                                        str(scratch / "result.json")], stdout=out, stderr=subprocess.STDOUT, env=env,
                                       cwd=scratch, timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"vLLM did not finish the trace within {timeout_s:.0f} s (log: {log})") from None
+                raise RuntimeError(f"vLLM did not finish the trace within {timeout_s:.0f} s{where}") from None
         if proc.returncode != 0 or not (scratch / "result.json").is_file():
             tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
-            raise RuntimeError(f"vLLM failed (exit {proc.returncode}); the end of its log ({log}):\n" + "\n".join(tail))
+            raise RuntimeError(f"vLLM failed (exit {proc.returncode}){where}; the end of its log:\n" + "\n".join(tail))
         return json.loads((scratch / "result.json").read_text(encoding="utf-8"))
     finally:
-        if log_path is None or not str(log_path).startswith(str(scratch)):
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # a given log_path lies outside it
 
 
 __all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "find_vllm_python", "run_trace"]
