@@ -36,6 +36,9 @@
 #else
 #define SAMCACHE_SIMD_CLONES
 #endif
+// The vector helpers are always inlined into the cloned callers, so each clone computes them with
+// its own ISA (a helper GCC chose not to inline would run at the extension's SSE2 baseline).
+#define SAMCACHE_VEC inline __attribute__((always_inline))
 
 namespace samcache::kernels {
 
@@ -158,30 +161,30 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 constexpr int64_t kW = 16;
 
-inline vf16 load(const float* p) {
+SAMCACHE_VEC vf16 load(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
-inline vf16 splat(float x) { return vf16{} + x; }
+SAMCACHE_VEC void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+SAMCACHE_VEC vf16 splat(float x) { return vf16{} + x; }
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-inline float hmax(vf16 v) {
+SAMCACHE_VEC float hmax(vf16 v) {
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const vf8 c = a > b ? a : b;
   const vf4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
   const vf4 f = d > e ? d : e;
   return std::max(std::max(f[0], f[1]), std::max(f[2], f[3]));
 }
-inline float hsum(vf16 v) {  // a tree: four vector adds instead of fifteen dependent scalar ones
+SAMCACHE_VEC float hsum(vf16 v) {  // a tree: four vector adds instead of fifteen dependent scalar ones
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[1]) + (b[2] + b[3]);
 }
 
 // exp(x) for x <= 0 (Cephes' expf: 2^k * p(r), |rel err| ~ 1e-7); x < -87.3 (and -inf) -> 0.
-inline vf16 vexp(vf16 x) {
+SAMCACHE_VEC vf16 vexp(vf16 x) {
   const vi16 underflow = x < splat(-87.3f);
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
   const vf16 shifted = x * splat(1.44269504088896341f) + splat(12582912.0f);  // round to nearest
@@ -203,7 +206,7 @@ inline vf16 vexp(vf16 x) {
   return underflow ? splat(0.f) : out;
 }
 
-inline float row_max(const float* s, int64_t n) {
+SAMCACHE_VEC float row_max(const float* s, int64_t n) {
   vf16 m = splat(-kInf);
   int64_t j = 0;
   for (; j + kW <= n; j += kW) {
@@ -216,7 +219,7 @@ inline float row_max(const float* s, int64_t n) {
 }
 
 // s[j] = exp(s[j] - shift); returns the sum.
-inline float exp_sum(float* s, int64_t n, float shift) {
+SAMCACHE_VEC float exp_sum(float* s, int64_t n, float shift) {
   vf16 acc = splat(0.f);
   const vf16 sh = splat(shift);
   int64_t j = 0;
@@ -233,13 +236,13 @@ inline float exp_sum(float* s, int64_t n, float shift) {
   return sum;
 }
 
-inline void scale_row(float* o, int64_t d, float a) {
+SAMCACHE_VEC void scale_row(float* o, int64_t d, float a) {
   int64_t i = 0;
   for (; i + kW <= d; i += kW) store(o + i, load(o + i) * splat(a));
   for (; i < d; ++i) o[i] *= a;
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
+SAMCACHE_VEC float dot(const float* a, const float* b, int64_t d) {
   vf16 acc = splat(0.f);
   int64_t i = 0;
   for (; i + kW <= d; i += kW) acc += load(a + i) * load(b + i);
@@ -248,7 +251,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-inline void axpy(float* o, float p, const float* v, int64_t d) {
+SAMCACHE_VEC void axpy(float* o, float p, const float* v, int64_t d) {
   int64_t i = 0;
   const vf16 pv = splat(p);
   for (; i + kW <= d; i += kW) store(o + i, load(o + i) + pv * load(v + i));
@@ -265,6 +268,18 @@ struct Batch {
   // Element offset of token `tok` of sequence b, KV head h, in a cache.
   int64_t offset(int64_t b, int64_t tok, int64_t h) const {
     return ((pages[kvp[b] + tok / bs] * bs + tok % bs) * Hkv + h) * D;
+  }
+  // off[j] = offset(b, c0 + j, 0) for j < n, one division per block instead of one per token (an
+  // integer division by a runtime block size costs more than a token's dot products).
+  void row_offsets(int64_t b, int64_t c0, int64_t n, int64_t* off) const {
+    const int64_t row = Hkv * D;
+    for (int64_t j = 0; j < n;) {
+      const int64_t tok = c0 + j, block = tok / bs, in_block = tok - block * bs;
+      const int64_t run = std::min(bs - in_block, n - j);
+      const int64_t base = (pages[kvp[b] + block] * bs + in_block) * row;
+      for (int64_t u = 0; u < run; ++u) off[j + u] = base + u * row;
+      j += run;
+    }
   }
 };
 
@@ -284,6 +299,7 @@ inline int64_t gemm_task_rows(int64_t G) {
 // Per-thread work buffers.
 struct Scratch {
   std::vector<float> q, kt, v, s, o, m, l, row;
+  std::vector<int64_t> offsets = std::vector<int64_t>(kKeyChunk);  // a chunk's token rows (Batch::row_offsets)
   Scratch(int64_t D, int64_t Hkv, int64_t G) : kt(D * kKeyChunk), v(kKeyChunk * D), row(Hkv * D) {
     const int64_t rows = std::max(gemm_task_rows(G), kDirectRows);
     q.resize(rows * D);
@@ -338,8 +354,9 @@ void softmax_rows(const Batch& bt, const Task& t, int64_t c0, int64_t n, int64_t
 // into v [np x D], the columns / rows from n to np zeroed.
 template <typename T>
 SAMCACHE_SIMD_CLONES void gather_chunk(const Batch& bt, const Task& t, const T* kc, const T* vc, int64_t c0, int64_t n,
-                                       int64_t np, float* kt, float* v) {
+                                       int64_t np, float* kt, float* v, int64_t* off) {
   const int64_t D = bt.D;
+  bt.row_offsets(t.seq, c0, n, off);
   float tile[kW * 256];  // up to 16 keys x head_dim 256, then transposed into kt
   for (int64_t j0 = 0; j0 < np; j0 += kW) {
     const int64_t w = std::min(kW, np - j0);
@@ -347,10 +364,10 @@ SAMCACHE_SIMD_CLONES void gather_chunk(const Batch& bt, const Task& t, const T* 
       float* trow = tile + j * D;
       float* vrow = v + (j0 + j) * D;
       if (j0 + j < n) {
-        const int64_t off = bt.offset(t.seq, c0 + j0 + j, t.head);
+        const int64_t o = off[j0 + j] + t.head * D;
         for (int64_t d = 0; d < D; ++d) {
-          trow[d] = to_float(kc[off + d]);
-          vrow[d] = to_float(vc[off + d]);
+          trow[d] = to_float(kc[o + d]);
+          vrow[d] = to_float(vc[o + d]);
         }
       } else {
         std::fill(trow, trow + D, 0.f);
@@ -388,7 +405,7 @@ void gemm_task(const Batch& bt, const Task& t, const float* qf, const T* kc, con
   for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
     const int64_t np = (n + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
-    gather_chunk(bt, t, kc, vc, c0, n, np, sc.kt.data(), sc.v.data());
+    gather_chunk(bt, t, kc, vc, c0, n, np, sc.kt.data(), sc.v.data(), sc.offsets.data());
     for (int64_t q0 = 0; q0 < t.count; q0 += tile) {
       const Task sub{t.seq, t.head, t.first + q0, std::min(tile, t.count - q0), false};
       const KeyRange seen = task_range(bt, sub);
@@ -418,13 +435,13 @@ void gemm_task(const Batch& bt, const Task& t, const float* qf, const T* kc, con
 // Prefetches the cache lines of one token's row (every KV head) ahead of its use: pages are
 // scattered, so the hardware prefetcher loses the stream at every block boundary.
 template <typename T>
-inline void prefetch_row(const T* row, int64_t bytes) {
+SAMCACHE_VEC void prefetch_row(const T* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
 }
 
 template <typename T>
-inline const float* as_float(const T* src, int64_t n, float* buf) {
+SAMCACHE_VEC const float* as_float(const T* src, int64_t n, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
@@ -436,7 +453,7 @@ inline const float* as_float(const T* src, int64_t n, float* buf) {
 // o[0 .. 16 NV) += sum_j p[j] * v(j)[0 .. 16 NV), with o held in NV vector registers; v(j) is
 // the row at element offset offset(j) of v.
 template <int NV, typename Offset>
-inline void accumulate_rows(float* o, const float* p, const float* v, int64_t n, Offset offset, bool prefetch) {
+SAMCACHE_VEC void accumulate_rows(float* o, const float* p, const float* v, int64_t n, Offset offset, bool prefetch) {
   constexpr int64_t kAhead = 16;  // tokens prefetched ahead (the first row reads the chunk from memory)
   vf16 acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = load(o + i * kW);
@@ -472,9 +489,11 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
   const KeyRange range = task_range(bt, t);
   for (int64_t c0 = range.lo / kKeyChunk * kKeyChunk; c0 <= range.hi; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
+    int64_t* off = sc.offsets.data();
+    bt.row_offsets(t.seq, c0, n, off);
     for (int64_t j = 0; j < n; ++j) {
-      if (j + kAhead < n) prefetch_row(kc + bt.offset(t.seq, c0 + j + kAhead, 0), row_elems * sizeof(T));
-      const float* k = as_float(kc + bt.offset(t.seq, c0 + j, 0), row_elems, buf);
+      if (j + kAhead < n) prefetch_row(kc + off[j + kAhead], row_elems * sizeof(T));
+      const float* k = as_float(kc + off[j], row_elems, buf);
       for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k + (r % Hq) / G * D, D);
     }
     softmax_rows(bt, t, c0, n, n, kKeyChunk, S, O, sc.m.data(), sc.l.data());
@@ -484,7 +503,7 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
       for (int64_t r = 0; r < rows; ++r) {
         const float* vh = reinterpret_cast<const float*>(vc) + (r % Hq) / G * D;
         const float* p = S + r * kKeyChunk;
-        auto offset = [&](int64_t j) { return bt.offset(t.seq, c0 + j, 0); };
+        auto offset = [&](int64_t j) { return off[j]; };
         const bool first = r % G == 0;  // the first row of each KV head reads its V from memory
         if (D == 32) accumulate_rows<2>(O + r * D, p, vh, n, offset, first);
         else if (D == 64) accumulate_rows<4>(O + r * D, p, vh, n, offset, first);
@@ -493,8 +512,8 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
       continue;
     }
     for (int64_t j = 0; j < n; ++j) {
-      if (j + kAhead < n) prefetch_row(vc + bt.offset(t.seq, c0 + j + kAhead, 0), row_elems * sizeof(T));
-      const float* v = as_float(vc + bt.offset(t.seq, c0 + j, 0), row_elems, buf);
+      if (j + kAhead < n) prefetch_row(vc + off[j + kAhead], row_elems * sizeof(T));
+      const float* v = as_float(vc + off[j], row_elems, buf);
       for (int64_t r = 0; r < rows; ++r) {
         const float p = S[r * kKeyChunk + j];
         if (p != 0.f) axpy(O + r * D, p, v + (r % Hq) / G * D, D);
