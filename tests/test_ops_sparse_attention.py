@@ -71,7 +71,7 @@ def make_batch(seed, lengths, rows, num_blocks_extra, bs, hkv, g, d, dtype):
     bs=st.sampled_from([1, 4, 16]),
     hkv=st.integers(1, 3),
     g=st.sampled_from([1, 2, 3, 4, 7]),
-    d=st.sampled_from([8, 32, 40, 64]),
+    d=st.sampled_from([8, 32, 40, 64, 128]),
     window=st.sampled_from([-1, 0, 1, 7, 300]),
     cap=st.sampled_from([0.0, 5.0]),
     dtype=st.sampled_from(list(DTYPES)),

@@ -450,22 +450,70 @@ SAMCACHE_VEC const float* as_float(const T* src, int64_t n, float* buf) {
   }
 }
 
-// o[0 .. 16 NV) += sum_j p[j] * v(j)[0 .. 16 NV), with o held in NV vector registers; v(j) is
-// the row at element offset offset(j) of v.
-template <int NV, typename Offset>
-SAMCACHE_VEC void accumulate_rows(float* o, const float* p, const float* v, int64_t n, Offset offset, bool prefetch) {
-  constexpr int64_t kAhead = 16;  // tokens prefetched ahead (the first row reads the chunk from memory)
-  vf16 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = load(o + i * kW);
-  for (int64_t j = 0; j < n; ++j) {
-    if (prefetch && j + kAhead < n)
-      for (int i = 0; i < NV; i += 4) __builtin_prefetch(v + offset(j + kAhead) + i * kW, 0, 0);
-    if (p[j] == 0.f) continue;
-    const vf16 pj = splat(p[j]);
-    const float* row = v + offset(j);
-    for (int i = 0; i < NV; ++i) acc[i] += pj * load(row + i * kW);
+// Rows [r0, r0 + R) of a direct task, with NV vectors (16 floats each) per head row, in
+// registers. The first group of a chunk reads the rows from memory (prefetched ahead); later
+// groups find them in L2.
+template <int R, int NV>
+SAMCACHE_VEC void scores_rows(float* s, const float* q, const float* k, int64_t n, int64_t r0, int64_t Hq, int64_t G,
+                              const int64_t* off, int64_t row_bytes, bool prefetch) {
+  constexpr int64_t kAhead = 16, D = NV * kW;
+  vf16 qr[R][NV];
+  int64_t head[R];
+  for (int r = 0; r < R; ++r) {
+    head[r] = ((r0 + r) % Hq) / G * D;
+    for (int i = 0; i < NV; ++i) qr[r][i] = load(q + (r0 + r) * D + i * kW);
   }
-  for (int i = 0; i < NV; ++i) store(o + i * kW, acc[i]);
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + kAhead < n) prefetch_row(k + off[j + kAhead], row_bytes);
+    const float* row = k + off[j];
+    for (int r = 0; r < R; ++r) {
+      vf16 acc = qr[r][0] * load(row + head[r]);
+      for (int i = 1; i < NV; ++i) acc += qr[r][i] * load(row + head[r] + i * kW);
+      s[(r0 + r) * kKeyChunk + j] = hsum(acc);
+    }
+  }
+}
+
+template <int R, int NV>
+SAMCACHE_VEC void accumulate_rows(float* o, const float* p, const float* v, int64_t n, int64_t r0, int64_t Hq,
+                                  int64_t G, const int64_t* off, int64_t row_bytes, bool prefetch) {
+  constexpr int64_t kAhead = 16, D = NV * kW;
+  vf16 acc[R][NV];
+  int64_t head[R];
+  for (int r = 0; r < R; ++r) {
+    head[r] = ((r0 + r) % Hq) / G * D;
+    for (int i = 0; i < NV; ++i) acc[r][i] = load(o + (r0 + r) * D + i * kW);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + kAhead < n) prefetch_row(v + off[j + kAhead], row_bytes);
+    const float* row = v + off[j];
+    for (int r = 0; r < R; ++r) {
+      const vf16 pj = splat(p[(r0 + r) * kKeyChunk + j]);
+      for (int i = 0; i < NV; ++i) acc[r][i] += pj * load(row + head[r] + i * kW);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) store(o + (r0 + r) * D + i * kW, acc[r][i]);
+}
+
+// Scores and V accumulation of every row of a direct task, in groups of R rows (R x NV registers
+// of queries or outputs).
+template <int NV>
+SAMCACHE_VEC void scores_in_groups(float* s, const float* q, const float* k, int64_t n, int64_t rows, int64_t Hq,
+                                   int64_t G, const int64_t* off, int64_t row_bytes) {
+  constexpr int R = NV <= 4 ? 4 : 2;
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R) scores_rows<R, NV>(s, q, k, n, r0, Hq, G, off, row_bytes, r0 == 0);
+  for (; r0 < rows; ++r0) scores_rows<1, NV>(s, q, k, n, r0, Hq, G, off, row_bytes, r0 == 0);
+}
+
+template <int NV>
+SAMCACHE_VEC void accumulate_in_groups(float* o, const float* p, const float* v, int64_t n, int64_t rows, int64_t Hq,
+                                       int64_t G, const int64_t* off, int64_t row_bytes) {
+  constexpr int R = NV <= 4 ? 4 : 2;
+  int64_t r0 = 0;
+  for (; r0 + R <= rows; r0 += R) accumulate_rows<R, NV>(o, p, v, n, r0, Hq, G, off, row_bytes, r0 == 0);
+  for (; r0 < rows; ++r0) accumulate_rows<1, NV>(o, p, v, n, r0, Hq, G, off, row_bytes, r0 == 0);
 }
 
 // One sequence, every query head at once: each token's K and V rows (all KV heads, contiguous)
@@ -491,24 +539,26 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
     const int64_t n = std::min(kKeyChunk, range.hi + 1 - c0);
     int64_t* off = sc.offsets.data();
     bt.row_offsets(t.seq, c0, n, off);
-    for (int64_t j = 0; j < n; ++j) {
-      if (j + kAhead < n) prefetch_row(kc + off[j + kAhead], row_elems * sizeof(T));
-      const float* k = as_float(kc + off[j], row_elems, buf);
-      for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k + (r % Hq) / G * D, D);
+    const bool fast = std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128);
+    const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(T));
+    if (fast) {
+      const float* k = reinterpret_cast<const float*>(kc);
+      if (D == 32) scores_in_groups<2>(S, Q, k, n, rows, Hq, G, off, row_bytes);
+      else if (D == 64) scores_in_groups<4>(S, Q, k, n, rows, Hq, G, off, row_bytes);
+      else scores_in_groups<8>(S, Q, k, n, rows, Hq, G, off, row_bytes);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + kAhead < n) prefetch_row(kc + off[j + kAhead], row_elems * sizeof(T));
+        const float* k = as_float(kc + off[j], row_elems, buf);
+        for (int64_t r = 0; r < rows; ++r) S[r * kKeyChunk + j] = dot(Q + r * D, k + (r % Hq) / G * D, D);
+      }
     }
     softmax_rows(bt, t, c0, n, n, kKeyChunk, S, O, sc.m.data(), sc.l.data());
-    if (std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128)) {
-      // Rows outer, the row's output in registers: the chunk's V rows come from DRAM for the
-      // first row and from L2 for the others.
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* vh = reinterpret_cast<const float*>(vc) + (r % Hq) / G * D;
-        const float* p = S + r * kKeyChunk;
-        auto offset = [&](int64_t j) { return off[j]; };
-        const bool first = r % G == 0;  // the first row of each KV head reads its V from memory
-        if (D == 32) accumulate_rows<2>(O + r * D, p, vh, n, offset, first);
-        else if (D == 64) accumulate_rows<4>(O + r * D, p, vh, n, offset, first);
-        else accumulate_rows<8>(O + r * D, p, vh, n, offset, first);
-      }
+    if (fast) {
+      const float* v = reinterpret_cast<const float*>(vc);
+      if (D == 32) accumulate_in_groups<2>(O, S, v, n, rows, Hq, G, off, row_bytes);
+      else if (D == 64) accumulate_in_groups<4>(O, S, v, n, rows, Hq, G, off, row_bytes);
+      else accumulate_in_groups<8>(O, S, v, n, rows, Hq, G, off, row_bytes);
       continue;
     }
     for (int64_t j = 0; j < n; ++j) {
