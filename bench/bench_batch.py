@@ -9,7 +9,8 @@ session). Both decode ``--new-tokens`` tokens (end tokens ignored).
 
 Reported: decode throughput (tokens/s over all sessions) of each, its ratio; prefill throughput
 (computed prompt tokens / time to the last first token); and whether every session's tokens are
-identical both ways.
+identical both ways. Each of ``--repeat`` plays uses fresh sessions and alternates which engine
+goes first; the medians are printed.
 
     python bench/bench_batch.py --preset small --threads 1            # 8 sessions, 1280x720
 """
@@ -41,6 +42,37 @@ def session_turns(session: int, size: tuple[int, int]) -> tuple[list[dict], list
     return earlier, now
 
 
+def play(alone, batched, sessions: range, size, n: int, batched_first: bool) -> dict:
+    """One measurement: every session's earlier turn on both engines, then the measured turns one
+    by one on ``alone`` and together on ``batched`` (in the given order)."""
+    turns = [session_turns(s, size) for s in sessions]
+    requests = [ChatRequest(messages=now, max_new_tokens=n, ignore_eos=True) for _, now in turns]
+    for engine in (alone, batched):
+        for earlier, _ in turns:  # its screenshots become known
+            engine.chat(messages=earlier, max_new_tokens=1)
+    runs = {}
+    for name in (["batched", "alone"] if batched_first else ["alone", "batched"]):
+        t0 = time.perf_counter()
+        runs[name] = batched.chat_batch(requests) if name == "batched" else [alone.chat(**vars(r)) for r in requests]
+        runs[name + "_s"] = time.perf_counter() - t0
+    one_by_one, together = runs["alone"], runs["batched"]
+    computed = [r.metrics.prefilled_tokens + r.metrics.recomputed_tokens for r in one_by_one]
+    alone_decode = [(n - 1) / r.metrics.decode_tokens_per_s for r in one_by_one]  # each session's decode time
+    batch_decode = statistics.median((n - 1) / r.metrics.decode_tokens_per_s for r in together)
+    k = len(requests)
+    return {
+        "prompt_tokens": [r.metrics.prompt_tokens for r in one_by_one],
+        "computed_tokens": computed,
+        "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(one_by_one, together)),
+        "decode_tok_s_one_session": statistics.median(r.metrics.decode_tokens_per_s for r in one_by_one),
+        "decode_tok_s_alone_total": k * (n - 1) / sum(alone_decode),
+        "decode_tok_s_batched": k * (n - 1) / batch_decode,
+        "prefill_tok_s_alone": sum(computed) / sum(r.metrics.ttft_s for r in one_by_one),
+        "prefill_tok_s_batched": sum(computed) / max(r.metrics.ttft_s for r in together),
+        "wall_s_alone": runs["alone_s"], "wall_s_batched": runs["batched_s"],
+    }
+
+
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,41 +81,29 @@ def run(args) -> dict:
     common = dict(device="cpu", kv_cache_bytes=args.kv_cache_mib << 20, recompute_budget="uniform")
     alone = SAMcacheEngine(model, **common)
     batched = SAMcacheEngine(model, **common, share_weights_with=alone)
-    turns = [session_turns(s, size) for s in range(args.sessions)]
-    requests = [ChatRequest(messages=now, max_new_tokens=args.new_tokens, ignore_eos=True) for _, now in turns]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for engine in (alone, batched):
             engine.warm_up()
-            for earlier, _ in turns:  # every session's earlier turn: its screenshots become known
-                engine.chat(messages=earlier, max_new_tokens=1)
-        t0 = time.perf_counter()
-        one_by_one = [alone.chat(**vars(r)) for r in requests]
-        alone_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        together = batched.chat_batch(requests)
-        batch_s = time.perf_counter() - t0
-    n = args.new_tokens
-    alone_decode = [(n - 1) / r.metrics.decode_tokens_per_s for r in one_by_one]  # each session's decode time
-    batch_decode = statistics.median((n - 1) / r.metrics.decode_tokens_per_s for r in together)
-    computed = [r.metrics.prefilled_tokens + r.metrics.recomputed_tokens for r in one_by_one]
+        # Fresh sessions every play (their screenshots and prompts unseen), the order alternating.
+        plays = [play(alone, batched, range(p * args.sessions, (p + 1) * args.sessions), size, args.new_tokens,
+                      batched_first=p % 2 == 1) for p in range(args.repeat)]
+    for p in plays:
+        p["decode_ratio"] = p["decode_tok_s_batched"] / p["decode_tok_s_one_session"]
+        p["prefill_ratio"] = p["prefill_tok_s_batched"] / p["prefill_tok_s_alone"]
+    med = lambda key: statistics.median(p[key] for p in plays)  # noqa: E731
     out = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "device": f"cpu, {torch.get_num_threads()} threads",
-        "model": str(model), "preset": args.preset, "sessions": args.sessions, "new_tokens": n,
-        "image_size": list(size),
-        "prompt_tokens": [r.metrics.prompt_tokens for r in one_by_one],
-        "computed_tokens": computed,
-        "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(one_by_one, together)),
-        "decode_tok_s_one_session": statistics.median(r.metrics.decode_tokens_per_s for r in one_by_one),
-        "decode_tok_s_alone_total": args.sessions * (n - 1) / sum(alone_decode),
-        "decode_tok_s_batched": args.sessions * (n - 1) / batch_decode,
-        "prefill_tok_s_alone": sum(computed) / sum(r.metrics.ttft_s for r in one_by_one),
-        "prefill_tok_s_batched": sum(computed) / max(r.metrics.ttft_s for r in together),
-        "wall_s_alone": alone_s, "wall_s_batched": batch_s,
+        "model": str(model), "preset": args.preset, "sessions": args.sessions, "new_tokens": args.new_tokens,
+        "image_size": list(size), "repeat": args.repeat,
+        "prompt_tokens": plays[0]["prompt_tokens"], "computed_tokens": plays[0]["computed_tokens"],
+        "identical_outputs": all(p["identical_outputs"] for p in plays),
+        "plays": plays,
     }
-    out["decode_ratio"] = out["decode_tok_s_batched"] / out["decode_tok_s_one_session"]
-    out["prefill_ratio"] = out["prefill_tok_s_batched"] / out["prefill_tok_s_alone"]
+    for key in ("decode_tok_s_one_session", "decode_tok_s_alone_total", "decode_tok_s_batched", "prefill_tok_s_alone",
+                "prefill_tok_s_batched", "wall_s_alone", "wall_s_batched", "decode_ratio", "prefill_ratio"):
+        out[key] = med(key)  # medians over the plays
     return out
 
 
@@ -96,14 +116,16 @@ def main(argv=None) -> int:
     p.add_argument("--image-size", type=int, nargs=2, default=(720, 1280), metavar=("H", "W"))
     p.add_argument("--kv-cache-mib", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=3, help="plays with fresh sessions; medians reported")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
-    if args.sessions < 1 or args.new_tokens < 2:
-        p.error("--sessions must be >= 1 and --new-tokens >= 2")
+    if args.sessions < 1 or args.new_tokens < 2 or args.repeat < 1:
+        p.error("--sessions and --repeat must be >= 1 and --new-tokens >= 2")
     out = run(args)
+    ratios = ", ".join(f"{p['decode_ratio']:.2f}" for p in out["plays"])
     print(f"{out['sessions']} GUI sessions ({out['image_size'][1]}x{out['image_size'][0]} screenshots, "
           f"{statistics.median(out['prompt_tokens'])} prompt tokens each), {out['new_tokens']} new tokens, "
-          f"{out['device']}, {out['date']}")
+          f"{out['device']}, {out['date']}; medians of {out['repeat']} plays (decode ratios {ratios})")
     print(f"decode: one session {out['decode_tok_s_one_session']:.0f} tok/s; {out['sessions']} together "
           f"{out['decode_tok_s_batched']:.0f} tok/s = {out['decode_ratio']:.2f}x one session's")
     print(f"prefill: one by one {out['prefill_tok_s_alone']:.0f} tok/s; together {out['prefill_tok_s_batched']:.0f} "

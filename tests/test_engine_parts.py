@@ -156,7 +156,7 @@ def test_one_family_registry_serves_the_runner_the_loader_and_the_builders():
 def test_batch_benchmark_runs(tiny_checkpoints, tmp_path):
     bench = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_batch.py"
     out = subprocess.run([sys.executable, str(bench), "--model", str(tiny_checkpoints["qwen2_5_vl"]), "--sessions", "3",
-                          "--new-tokens", "4", "--image-size", "112", "168", "--kv-cache-mib", "64",
+                          "--new-tokens", "4", "--image-size", "112", "168", "--kv-cache-mib", "64", "--repeat", "2",
                           "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     import json
