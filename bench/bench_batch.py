@@ -7,7 +7,8 @@ requests: ``alone`` serves the sessions one after another, ``batched`` serves th
 ``chat_batch`` call (prefills share forward steps, then every decode step carries one row per
 session). Both decode ``--new-tokens`` tokens (end tokens ignored).
 
-Reported: decode throughput (tokens/s over all sessions) of each, its ratio; prefill throughput
+Reported: decode throughput (tokens/s over all sessions) of each, its ratio, and the ceiling of
+that ratio on this machine (``decode_ceiling``: what memory bandwidth allows); prefill throughput
 (computed prompt tokens / time to the last first token); and whether every session's tokens are
 identical both ways. Each of ``--repeat`` plays uses fresh sessions and alternates which engine
 goes first; the medians are printed.
@@ -73,6 +74,52 @@ def play(alone, batched, sessions: range, size, n: int, batched_first: bool) -> 
     }
 
 
+def decode_ceiling(engine, size, sessions: int, steps: int = 32) -> dict:
+    """The most the batched decode ratio can be on this machine, from parts measured here: one
+    session's decode step costs T1, of which attention A1 (both timed over ``steps`` steps); a step
+    of ``sessions`` sessions costs at least one session's non-attention work N1 = T1 - A1 (assuming
+    no growth for more rows) plus reading every session's KV at this machine's stream rate (a
+    400 MB ``torch.sum``, same thread count): ceiling = sessions * T1 / (N1 + KV bytes / rate)."""
+    import samcache.engine.runner as runner_module
+
+    ex, r = engine.executor, engine.runner
+    earlier, now = session_turns(99_999, size)
+    engine.chat(messages=earlier, max_new_tokens=1)
+    pre, logits = engine.prefill(engine.build_prompt(now))
+    attention = [0.0]
+    real = runner_module.ops.sparse_attention
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        out = real(*a, **kw)
+        attention[0] += time.perf_counter() - t0
+        return out
+
+    token, position = int(logits.argmax()), pre.prompt.next_position
+    runner_module.ops.sparse_attention = timed
+    try:
+        t0 = time.perf_counter()
+        for k in range(steps):
+            token = int(ex.forward([ex.decode_step(pre.seq, token, position + k, False)])[0].argmax())
+        t1 = (time.perf_counter() - t0) / steps
+    finally:
+        runner_module.ops.sparse_attention = real
+        engine.pool.free_sequence(pre.seq)
+    a1 = attention[0] / steps
+    big = torch.empty(100_000_000).normal_()
+    big.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    rate = big.numel() * 4 / best
+    kv_bytes = sessions * (len(pre.prompt) + steps // 2) * r.kv_bytes_per_token
+    return {"one_session_step_s": t1, "one_session_attention_s": a1, "stream_gb_s": rate / 1e9,
+            "kv_bytes_per_batched_step": kv_bytes,
+            "ceiling": sessions * t1 / ((t1 - a1) + kv_bytes / rate)}
+
+
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,6 +135,7 @@ def run(args) -> dict:
         # Fresh sessions every play (their screenshots and prompts unseen), the order alternating.
         plays = [play(alone, batched, range(p * args.sessions, (p + 1) * args.sessions), size, args.new_tokens,
                       batched_first=p % 2 == 1) for p in range(args.repeat)]
+        ceiling = decode_ceiling(alone, size, args.sessions)
     for p in plays:
         p["decode_ratio"] = p["decode_tok_s_batched"] / p["decode_tok_s_one_session"]
         p["prefill_ratio"] = p["prefill_tok_s_batched"] / p["prefill_tok_s_alone"]
@@ -100,6 +148,7 @@ def run(args) -> dict:
         "prompt_tokens": plays[0]["prompt_tokens"], "computed_tokens": plays[0]["computed_tokens"],
         "identical_outputs": all(p["identical_outputs"] for p in plays),
         "plays": plays,
+        "decode_ceiling": ceiling,
     }
     for key in ("decode_tok_s_one_session", "decode_tok_s_alone_total", "decode_tok_s_batched", "prefill_tok_s_alone",
                 "prefill_tok_s_batched", "wall_s_alone", "wall_s_batched", "decode_ratio", "prefill_ratio"):
@@ -128,6 +177,10 @@ def main(argv=None) -> int:
           f"{out['device']}, {out['date']}; medians of {out['repeat']} plays (decode ratios {ratios})")
     print(f"decode: one session {out['decode_tok_s_one_session']:.0f} tok/s; {out['sessions']} together "
           f"{out['decode_tok_s_batched']:.0f} tok/s = {out['decode_ratio']:.2f}x one session's")
+    c = out["decode_ceiling"]
+    print(f"decode ceiling on this machine: {c['ceiling']:.2f}x (one session's step {c['one_session_step_s'] * 1e3:.2f} ms, "
+          f"{c['one_session_attention_s'] * 1e3:.2f} ms of it attention; {out['sessions']} sessions' KV "
+          f"{c['kv_bytes_per_batched_step'] / 1e6:.0f} MB a step at the stream rate {c['stream_gb_s']:.1f} GB/s)")
     print(f"prefill: one by one {out['prefill_tok_s_alone']:.0f} tok/s; together {out['prefill_tok_s_batched']:.0f} "
           f"tok/s = {out['prefill_ratio']:.2f}x")
     print(f"outputs identical to serving each alone: {out['identical_outputs']}; wall {out['wall_s_alone']:.2f} s "
