@@ -8,8 +8,8 @@
 // shared memory; with several splits, a second kernel merges the splits through their
 // (max, sum) pairs. Keys outside a query's range are never read.
 //
-// Guards instead of host validation (device indices cannot be read without a sync): a query
-// whose position or sequence is out of range, or whose page is out of range, gets NaN output.
+// Guards instead of host validation (device indices cannot be read without a sync, see row_keys):
+// a query whose sequence, position or pages are inconsistent gets NaN output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -87,14 +87,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(SparseAttentionParams p
   float* l_s = m_s + kWarps * kMaxGroup;           // [kWarps][G]
   __shared__ int bad;
 
-  // This row's sequence: its pages and KV length (guards instead of host checks, see above).
-  const int64_t seq = p.q_seq[query];
-  const bool seq_ok = seq >= 0 && seq < p.num_seqs;
-  const int64_t page0 = seq_ok ? p.kv_indptr[seq] : 0;
-  const int64_t num_pages = seq_ok ? p.kv_indptr[seq + 1] - page0 : 0;
-  const int64_t kv_len = num_pages > 0 ? (num_pages - 1) * p.block_size + p.kv_last_page_len[seq] : 0;
-  const int64_t index = p.q_pos[query];
-  if (threadIdx.x == 0) bad = (!seq_ok || index < 0 || index >= kv_len || kv_len > num_pages * p.block_size);
+  const RowKeys keys = row_keys(p, query);
+  const int64_t index = keys.position, page0 = keys.page0;
+  if (threadIdx.x == 0) bad = !keys.ok;
   const T* q = static_cast<const T*>(p.q) + (query * p.num_q_heads + head0) * D;
   for (int i = threadIdx.x; i < G * D; i += kThreads) q_s[i] = to_float(q[i]);
   __syncthreads();

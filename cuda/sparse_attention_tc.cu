@@ -86,12 +86,14 @@ __global__ void __launch_bounds__(kTcThreads) tc_kernel(SparseAttentionParams p)
   if (tid < kBlockM) {  // this CTA's rows: sorted queries x the heads of this KV head
     const int64_t r = row0 + tid;
     int64_t query = -1, index = -1;
+    bool valid = false;
     if (r < total_rows) {
       query = p.query_order[r / G];
-      index = p.q_index[query];
+      const RowKeys keys = row_keys(p, query);  // one sequence: every valid row shares its pages
+      valid = keys.ok;
+      index = keys.position;
       sm.row_head[tid] = static_cast<int32_t>(kv_head * G + r % G);
     }
-    const bool valid = query >= 0 && index >= 0 && index < p.num_kv_tokens;
     sm.row_query[tid] = query;
     sm.row_index[tid] = valid ? index : -1;  // -1: no keys; an existing row then gets NaN
     sm.row_lo[tid] = p.window > 0 ? max(int64_t{0}, index - p.window + 1) : 0;
@@ -147,9 +149,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_kernel(SparseAttentionParams p)
       const int64_t key = t0 + tid;
       int64_t row = -1;
       if (key <= sm.range_hi) {
-        const int64_t ti = key / bs;
-        const int64_t blk = p.block_table_int64 ? static_cast<const int64_t*>(p.block_table)[ti]
-                                                : static_cast<const int32_t*>(p.block_table)[ti];
+        const int64_t blk = p.kv_indices[p.kv_indptr[0] + key / bs];  // key < a valid row's length
         if (blk < 0 || blk >= p.num_cache_blocks) {
           sm.bad = 1;  // benign race: every writer stores 1
         } else {

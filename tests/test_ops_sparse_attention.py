@@ -172,6 +172,7 @@ def test_bad_input():
         (dict(q_pos=i32(0, 1, 2, 3, 40, 0, 19)), IndexError, "outside sequence 0"),
         (dict(q_pos=i32(0, 1, 2, 3, 39, 0, 20)), IndexError, "outside sequence 1"),
         (dict(q_pos=i32(0, 1, 2, 3, -1, 0, 19)), IndexError, "q_pos"),
+        (dict(qo_indptr=i32(0)), ValueError, "7 query rows but no sequences"),
         (dict(qo_indptr=i32(1, 5, 7)), ValueError, "qo_indptr must run from 0"),
         (dict(qo_indptr=i32(0, 5, 6)), ValueError, "qo_indptr must run from 0 to num_rows=7"),
         (dict(qo_indptr=i32(0, 8, 7)), ValueError, "must not decrease"),
@@ -201,6 +202,21 @@ def test_bad_input():
         AttentionMetadata.build([np.array([0])], [np.array([0])], [20], 16)
     with pytest.raises(ValueError, match="one entry per sequence"):
         AttentionMetadata.build([np.array([0])], [], [20], 16)
+    build_cases = [  # (positions, table, kv_len, message)
+        (np.array([0.7, 1.9]), np.array([0]), 2, "positions must be a 1-D integer array"),
+        (np.array([0, 2]), np.array([0]), 2, r"positions must lie in \[0, 2\)"),
+        (np.array([-1]), np.array([0]), 2, "positions must lie"),
+        (np.array([0]), np.array([0]), 2.9, "kv_len must be an int"),
+        (np.array([0]), np.array([-3]), 2, "entries must be >= 0"),
+        (np.array([0]), np.array([0.0]), 2, "block table must be a 1-D integer array"),
+    ]
+    for p, table, n, match in build_cases:
+        with pytest.raises(ValueError, match=match):
+            AttentionMetadata.build([p], [table], [n], 16)
+    with pytest.raises(ValueError, match="rows_per_seq must be 2 ints"):
+        meta.select(torch.arange(3), [1, 1, 1])
+    with pytest.raises(ValueError, match="rows must be a 1-D tensor of sum"):
+        meta.select(torch.arange(3), [1, 1])
 
 
 def test_opcheck_and_compile():
@@ -251,3 +267,32 @@ def test_cuda_out_of_range_position_gives_nan_not_a_fault():
     out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda())  # device metadata is not checked on the host
     assert out[[1, 3]].isnan().all() and lse[[1, 3]].isnan().all()
     assert not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cuda_inconsistent_metadata_gives_nan_not_a_fault(tensor_cores, monkeypatch):
+    """Device metadata is checked by the kernels, row by row: only the rows it makes
+    inconsistent get NaN; int64 values are never narrowed (2**32 + 1 must not wrap to page 1)."""
+    monkeypatch.setenv("SAMCACHE_SPARSE_ATTENTION_TC", "1" if tensor_cores else "0")
+    q, meta, kc, vc = make_batch(8, [64], [4], 0, 16, 1, 2, 64, torch.float16)
+    ref_out, _ = reference(q, meta, kc, vc, 64**-0.5, -1, 0.0)
+    i64 = lambda *v: torch.tensor(v, dtype=torch.long).cuda()  # noqa: E731
+    good = dict(q_pos=meta.q_pos, qo_indptr=meta.qo_indptr, kv_indptr=meta.kv_indptr, kv_indices=meta.kv_indices,
+                kv_last_page_len=meta.kv_last_page_len)
+    cases = [  # (change, rows that must be NaN)
+        (dict(qo_indptr=i64(0, 2)), [2, 3]),                       # rows past the last sequence
+        (dict(kv_indptr=i64(0, 9)), [0, 1, 2, 3]),                 # pages past kv_indices
+        (dict(kv_indptr=i64(-1, 3)), [0, 1, 2, 3]),                # pages before kv_indices
+        (dict(kv_last_page_len=i64(17)), [0, 1, 2, 3]),            # more than a block
+        (dict(kv_indices=meta.kv_indices.long() + 2**32), [0, 1, 2, 3]),  # no wrap to a valid page
+    ]
+    for change, nan_rows in cases:
+        parts = {k: (v.cuda() if k not in change else change[k]) for k, v in good.items()}
+        bad = AttentionMetadata(parts["q_pos"], parts["qo_indptr"], parts["kv_indptr"], parts["kv_indices"],
+                                parts["kv_last_page_len"], 64)
+        out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda())
+        torch.cuda.synchronize()
+        ok_rows = [r for r in range(q.shape[0]) if r not in nan_rows]
+        assert out[nan_rows].isnan().all() and lse[nan_rows].isnan().all(), change
+        torch.testing.assert_close(out[ok_rows].cpu().double(), ref_out[ok_rows], rtol=2e-3, atol=2e-3)

@@ -3,6 +3,7 @@
 // rows or blocks, parallel over tokens or blocks.
 #include "paged_kv.h"
 
+#include "index_tensors.h"
 #include "memory_checks.h"
 
 #include <ATen/MemoryOverlap.h>
@@ -18,22 +19,6 @@
 namespace samcache::kernels {
 
 namespace {
-
-bool is_index_dtype(const at::Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; }
-
-// Reads `count` leading entries of a 1-D int32/int64 CPU tensor of any stride.
-std::vector<int64_t> read_indices(const at::Tensor& t, int64_t count) {
-  std::vector<int64_t> out(static_cast<size_t>(count));
-  const int64_t stride = t.dim() == 0 ? 0 : t.stride(0);
-  if (t.scalar_type() == at::kInt) {
-    const int32_t* p = t.const_data_ptr<int32_t>();
-    for (int64_t i = 0; i < count; ++i) out[i] = p[i * stride];
-  } else {
-    const int64_t* p = t.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < count; ++i) out[i] = p[i * stride];
-  }
-  return out;
-}
 
 PagedCacheShape check_paged_caches(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK_VALUE(key_cache.defined() && value_cache.defined(), op, ": key_cache and value_cache must be tensors");

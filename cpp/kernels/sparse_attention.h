@@ -15,25 +15,29 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace samcache::kernels {
 
-struct SparseAttentionShape {
+// The batch's metadata as host values: read (and checked) once, only for CPU tensors.
+struct SparseAttentionHostMetadata {
+  std::vector<int64_t> qo_indptr, q_pos, kv_indptr, kv_indices, kv_last_page_len;
+};
+
+struct SparseAttentionPlan {
   int64_t num_rows, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_cache_blocks;
-  int64_t max_kv_len;  // the longest sequence (sizes the CUDA splits)
-  int64_t window;      // keys j with q_pos - window < j <= q_pos; <= 0: no window
-  double scale;        // logits = scale * q.k
-  double logit_cap;    // > 0: logits = cap * tanh(logits / cap)
+  SparseAttentionHostMetadata host;  // empty for device tensors
 };
 
 // Checks every argument (shapes, dtypes, devices, GQA divisibility; on CPU also the metadata's
 // values: ascending indptrs, positions inside their sequence, pages inside the cache) and raises a
-// clear error otherwise. Nothing is written before this returns.
-SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
-                                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                           const at::Tensor& kv_last_page_len, const at::Tensor& key_cache,
-                                           const at::Tensor& value_cache, double scale, int64_t window,
-                                           double logit_cap, int64_t max_kv_len);
+// clear error otherwise. Nothing is written before this returns. `max_kv_len` (the longest
+// sequence) only sizes the CUDA splits: required for device tensors, unused on the CPU.
+SparseAttentionPlan plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
+                                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                          const at::Tensor& kv_last_page_len, const at::Tensor& key_cache,
+                                          const at::Tensor& value_cache, double scale, double logit_cap,
+                                          int64_t max_kv_len);
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
                                                         const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,

@@ -22,14 +22,15 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "cpu_convert.h"
+#include "index_tensors.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SAMCACHE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -44,27 +45,20 @@ namespace samcache::kernels {
 
 namespace {
 
-// Reads an int32/int64 1-D tensor as int64 values (metadata is small: a copy is cheap).
-std::vector<int64_t> read_int64(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
 void check_index_tensor(const at::Tensor& t, const char* name, int64_t size) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
-                    "sparse_attention: ", name, " must be a 1-D int32/int64 tensor, got ", t.scalar_type(), " ",
-                    t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == 1 && is_index_dtype(t), "sparse_attention: ", name,
+                    " must be a 1-D int32/int64 tensor, got ", t.scalar_type(), " ", t.sizes());
   if (size >= 0)
     TORCH_CHECK_VALUE(t.size(0) == size, "sparse_attention: ", name, " must have ", size, " entries, got ", t.size(0));
 }
 
 }  // namespace
 
-SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
-                                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
-                                           const at::Tensor& kv_last_page_len, const at::Tensor& key_cache,
-                                           const at::Tensor& value_cache, double scale, int64_t window,
-                                           double logit_cap, int64_t max_kv_len) {
+SparseAttentionPlan plan_sparse_attention(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
+                                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                          const at::Tensor& kv_last_page_len, const at::Tensor& key_cache,
+                                          const at::Tensor& value_cache, double scale, double logit_cap,
+                                          int64_t max_kv_len) {
   TORCH_CHECK_VALUE(q.dim() == 3, "sparse_attention: q must be [num_rows, num_q_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_VALUE(key_cache.dim() == 4,
                     "sparse_attention: key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
@@ -83,11 +77,12 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
   check_index_tensor(qo_indptr, "qo_indptr", -1);
   TORCH_CHECK_VALUE(qo_indptr.size(0) >= 1, "sparse_attention: qo_indptr needs num_seqs + 1 >= 1 entries");
   const int64_t B = qo_indptr.size(0) - 1;
+  TORCH_CHECK_VALUE(B >= 1 || q.size(0) == 0, "sparse_attention: ", q.size(0), " query rows but no sequences");
   check_index_tensor(q_pos, "q_pos", q.size(0));
   check_index_tensor(kv_indptr, "kv_indptr", B + 1);
   check_index_tensor(kv_last_page_len, "kv_last_page_len", B);
   check_index_tensor(kv_indices, "kv_indices", -1);
-  SparseAttentionShape s{};
+  SparseAttentionPlan s{};
   s.num_rows = q.size(0);
   s.num_seqs = B;
   s.num_q_heads = q.size(1);
@@ -95,10 +90,6 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
   s.head_dim = key_cache.size(3);
   s.block_size = key_cache.size(1);
   s.num_cache_blocks = key_cache.size(0);
-  s.window = window;
-  s.scale = scale;
-  s.logit_cap = logit_cap;
-  s.max_kv_len = max_kv_len;
   TORCH_CHECK_VALUE(q.size(2) == s.head_dim, "sparse_attention: q head_dim ", q.size(2), " != cache head_dim ", s.head_dim);
   TORCH_CHECK_VALUE(s.num_kv_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, "sparse_attention: num_q_heads ",
                     s.num_q_heads, " must be a multiple of num_kv_heads ", s.num_kv_heads);
@@ -114,8 +105,14 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
                       "sparse_attention: on a GPU pass max_kv_len (the longest sequence), got ", max_kv_len);
     return s;
   }
-  const std::vector<int64_t> qo = read_int64(qo_indptr), kvp = read_int64(kv_indptr), last = read_int64(kv_last_page_len),
-                             pos = read_int64(q_pos), pages = read_int64(kv_indices);
+  SparseAttentionHostMetadata& h = s.host;
+  h.qo_indptr = read_indices(qo_indptr);
+  h.kv_indptr = read_indices(kv_indptr);
+  h.kv_last_page_len = read_indices(kv_last_page_len);
+  h.q_pos = read_indices(q_pos);
+  h.kv_indices = read_indices(kv_indices);
+  const std::vector<int64_t>&qo = h.qo_indptr, &kvp = h.kv_indptr, &last = h.kv_last_page_len, &pos = h.q_pos,
+                        &pages = h.kv_indices;
   TORCH_CHECK_VALUE(qo[0] == 0 && qo[B] == s.num_rows, "sparse_attention: qo_indptr must run from 0 to num_rows=",
                     s.num_rows, ", got ", qo[0], " .. ", qo[B]);
   TORCH_CHECK_VALUE(kvp[0] == 0 && kvp[B] <= static_cast<int64_t>(pages.size()),
@@ -124,7 +121,6 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
   for (int64_t b = 0; b < B; ++b)  // all of them before any range is read
     TORCH_CHECK_VALUE(qo[b + 1] >= qo[b] && kvp[b + 1] >= kvp[b], "sparse_attention: qo_indptr and kv_indptr must not ",
                       "decrease (sequence ", b, ")");
-  int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t num_pages = kvp[b + 1] - kvp[b];
     if (num_pages == 0) {
@@ -134,7 +130,6 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
     TORCH_CHECK_VALUE(last[b] >= 1 && last[b] <= s.block_size, "sparse_attention: kv_last_page_len[", b, "] = ", last[b],
                       " must be in [1, block_size=", s.block_size, "]");
     const int64_t kv_len = (num_pages - 1) * s.block_size + last[b];
-    longest = std::max(longest, kv_len);
     for (int64_t i = qo[b]; i < qo[b + 1]; ++i)
       TORCH_CHECK_INDEX(pos[i] >= 0 && pos[i] < kv_len, "sparse_attention: q_pos[", i, "] = ", pos[i],
                         " is outside sequence ", b, "'s ", kv_len, " KV tokens");
@@ -142,7 +137,6 @@ SparseAttentionShape plan_sparse_attention(const at::Tensor& q, const at::Tensor
       TORCH_CHECK_INDEX(pages[p] >= 0 && pages[p] < s.num_cache_blocks, "sparse_attention: kv_indices[", p, "] = ",
                         pages[p], " is outside the cache's ", s.num_cache_blocks, " blocks");
   }
-  s.max_kv_len = longest;
   return s;
 }
 
@@ -262,14 +256,9 @@ SAMCACHE_VEC void axpy(float* o, float p, const float* v, int64_t d) {
 struct Batch {
   int64_t G, D, Hq, Hkv, bs, window;
   float scale, cap;
-  std::vector<int64_t> qo, kvp, pages, last, pos;
+  std::vector<int64_t> qo, kvp, pages, pos;
   std::vector<int64_t> order;  // row ids, each sequence's rows sorted by position
-  int64_t kv_len(int64_t b) const { return (kvp[b + 1] - kvp[b] - 1) * bs + last[b]; }
-  // Element offset of token `tok` of sequence b, KV head h, in a cache.
-  int64_t offset(int64_t b, int64_t tok, int64_t h) const {
-    return ((pages[kvp[b] + tok / bs] * bs + tok % bs) * Hkv + h) * D;
-  }
-  // off[j] = offset(b, c0 + j, 0) for j < n, one division per block instead of one per token (an
+  // off[j] = element offset of token c0 + j of sequence b (KV head 0) in a cache, for j < n, one division per block instead of one per token (an
   // integer division by a runtime block size costs more than a token's dot products).
   void row_offsets(int64_t b, int64_t c0, int64_t n, int64_t* off) const {
     const int64_t row = Hkv * D;
@@ -588,8 +577,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, con
                                                         const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                         double scale, int64_t window, double logit_cap,
                                                         int64_t max_kv_len) {
-  const SparseAttentionShape s = plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                                       key_cache, value_cache, scale, window, logit_cap, max_kv_len);
+  SparseAttentionPlan s = plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                                key_cache, value_cache, scale, logit_cap, max_kv_len);
   TORCH_CHECK_VALUE(s.head_dim <= 256, "sparse_attention on the CPU supports head_dim up to 256, got ", s.head_dim);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor out = at::empty({s.num_rows, s.num_q_heads, s.head_dim}, f32);
@@ -605,11 +594,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, con
   bt.window = window;
   bt.scale = static_cast<float>(scale);
   bt.cap = static_cast<float>(logit_cap);
-  bt.qo = read_int64(qo_indptr);
-  bt.kvp = read_int64(kv_indptr);
-  bt.pages = read_int64(kv_indices);
-  bt.last = read_int64(kv_last_page_len);
-  bt.pos = read_int64(q_pos);
+  bt.qo = std::move(s.host.qo_indptr);
+  bt.kvp = std::move(s.host.kv_indptr);
+  bt.pages = std::move(s.host.kv_indices);
+  bt.pos = std::move(s.host.q_pos);
   bt.order.resize(s.num_rows);
   std::vector<Task> tasks;
   // GEMM tasks: up to kTaskTiles tiles of one (sequence, KV head), so a long prompt still splits

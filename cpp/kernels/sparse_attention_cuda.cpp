@@ -3,8 +3,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/diff.h>
-#include <ATen/ops/repeat_interleave.h>
 #include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
                                                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                          double scale, int64_t window, double logit_cap,
                                                          int64_t max_kv_len) {
-  const SparseAttentionShape s = plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                                       key_cache, value_cache, scale, window, logit_cap, max_kv_len);
+  const SparseAttentionPlan s = plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                                      key_cache, value_cache, scale, logit_cap, max_kv_len);
   TORCH_CHECK_VALUE(s.head_dim % 8 == 0 && s.head_dim <= samcache::cuda::kSparseAttentionMaxHeadDim,
                     "sparse_attention on CUDA needs head_dim to be a multiple of 8 up to ",
                     samcache::cuda::kSparseAttentionMaxHeadDim, ", got ", s.head_dim);
@@ -40,14 +38,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   at::Tensor out = at::empty_like(qc);
   at::Tensor lse = at::empty({s.num_rows, s.num_q_heads}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
-  const at::Tensor pos = q_pos.to(at::kInt).contiguous();
-  const at::Tensor qo = qo_indptr.to(at::kInt).contiguous();
-  const at::Tensor kvp = kv_indptr.to(at::kInt).contiguous();
-  const at::Tensor pages = kv_indices.to(at::kInt).contiguous();
-  const at::Tensor last = kv_last_page_len.to(at::kInt).contiguous();
-  // Each row's sequence, from qo_indptr without a host sync (the row count is known):
-  // repeat_interleave(counts) = [0] * counts[0] + [1] * counts[1] + ...
-  const at::Tensor seq = at::repeat_interleave(qo.diff().to(at::kLong), s.num_rows).to(at::kInt);
+  // int64 on the device as given (a no-op for int64 metadata): never narrowed, so a bad value
+  // cannot wrap into a valid one; the kernels check every value they read (row_keys).
+  const at::Tensor pos = q_pos.to(at::kLong).contiguous();
+  const at::Tensor qo = qo_indptr.to(at::kLong).contiguous();
+  const at::Tensor kvp = kv_indptr.to(at::kLong).contiguous();
+  const at::Tensor pages = kv_indices.to(at::kLong).contiguous();
+  const at::Tensor last = kv_last_page_len.to(at::kLong).contiguous();
 
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
@@ -64,15 +61,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   p.num_splits = tensor_cores
                      ? samcache::cuda::sparse_attention_tc_num_splits(s.num_rows, s.num_kv_heads, s.num_q_heads, max_keys, sms)
                      : samcache::cuda::sparse_attention_num_splits(s.num_rows, s.num_kv_heads, s.num_q_heads, max_keys, sms);
-  at::Tensor order, q_index;
+  at::Tensor order;
   if (tensor_cores) {  // rows sorted by position: a 64-row tile then spans a tight key range
-    q_index = pos.to(at::kLong);
-    order = std::get<1>(q_index.sort());
+    order = std::get<1>(pos.sort());
     p.query_order = order.data_ptr<int64_t>();
-    p.q_index = q_index.data_ptr<int64_t>();
-    p.block_table = pages.data_ptr();
-    p.block_table_int64 = false;
-    p.num_kv_tokens = max_kv_len;  // one sequence: its length
   }
   at::Tensor partial_o, partial_ml;
   if (p.num_splits > 1) {
@@ -82,11 +74,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
     p.partial_ml = partial_ml.data_ptr<float>();
   }
   p.q = qc.data_ptr();
-  p.q_pos = pos.data_ptr<int32_t>();
-  p.q_seq = seq.data_ptr<int32_t>();
-  p.kv_indptr = kvp.data_ptr<int32_t>();
-  p.kv_indices = pages.data_ptr<int32_t>();
-  p.kv_last_page_len = last.data_ptr<int32_t>();
+  p.q_pos = pos.data_ptr<int64_t>();
+  p.qo_indptr = qo.data_ptr<int64_t>();
+  p.kv_indptr = kvp.data_ptr<int64_t>();
+  p.kv_indices = pages.data_ptr<int64_t>();
+  p.kv_last_page_len = last.data_ptr<int64_t>();
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
   p.out = out.data_ptr();
@@ -97,6 +89,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q, co
   p.head_dim = s.head_dim;
   p.block_size = s.block_size;
   p.num_seqs = s.num_seqs;
+  p.num_kv_indices = kv_indices.numel();
   p.num_cache_blocks = key_cache.size(0);
   p.window = window;
   p.scale = static_cast<float>(scale);

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._checks import check_int
+
 
 @torch.library.register_fake("samcache::sparse_attention")
 def _sparse_attention_fake(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, key_cache, value_cache,
@@ -50,19 +52,31 @@ class AttentionMetadata:
         if not (len(positions) == len(block_tables) == len(kv_lens)):
             raise ValueError(f"positions, block_tables and kv_lens need one entry per sequence, got "
                              f"{len(positions)}, {len(block_tables)} and {len(kv_lens)}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_int("block_size", block_size, 1)
         pages, pos = [], []
         qo, kvp, last = [0], [0], []
         for b, (p, table, n) in enumerate(zip(positions, block_tables, kv_lens)):
+            # Checked here, not only by the op: device metadata is not read on the host, and
+            # numpy would truncate float positions silently.
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise ValueError(f"sequence {b}: kv_len must be an int >= 0, got {n!r}")
             n = int(n)
             used = -(-n // block_size)
-            table = np.asarray(table)
-            if n < 0 or table.size < used:
+            table, p = np.asarray(table), np.asarray(p)
+            if table.ndim != 1 or (table.size and table.dtype.kind not in "iu"):
+                raise ValueError(f"sequence {b}: the block table must be a 1-D integer array, got {table.dtype} "
+                                 f"{table.shape}")
+            if table.size < used:
                 raise ValueError(f"sequence {b}: {n} KV tokens need {used} blocks, its block table has {table.size}")
+            if used and table[:used].min() < 0:
+                raise ValueError(f"sequence {b}: block table entries must be >= 0, got {table[:used].min()}")
+            if p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+                raise ValueError(f"sequence {b}: positions must be a 1-D integer array, got {p.dtype} {p.shape}")
+            if p.size and (p.min() < 0 or p.max() >= n):
+                raise ValueError(f"sequence {b}: positions must lie in [0, {n}), got {p.min()} .. {p.max()}")
             pages.append(table[:used])
-            pos.append(np.asarray(p))
-            qo.append(qo[-1] + int(np.asarray(p).size))
+            pos.append(p)
+            qo.append(qo[-1] + int(p.size))
             kvp.append(kvp[-1] + used)
             last.append(n - (used - 1) * block_size if used else 0)
 
@@ -76,7 +90,13 @@ class AttentionMetadata:
     def select(self, rows: torch.Tensor, rows_per_seq: Sequence[int]) -> "AttentionMetadata":
         """The same batch restricted to ``rows`` (indices into this metadata's rows, each
         sequence's rows in order), ``rows_per_seq`` of them per sequence."""
-        qo = torch.from_numpy(np.concatenate([[0], np.cumsum(rows_per_seq)]).astype(np.int32)).to(self.qo_indptr.device)
+        counts = np.asarray(rows_per_seq)
+        if counts.shape != (self.num_seqs,) or (counts.size and (counts.dtype.kind not in "iu" or counts.min() < 0)):
+            raise ValueError(f"rows_per_seq must be {self.num_seqs} ints >= 0 (one per sequence), got {rows_per_seq!r}")
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.numel() != int(counts.sum()):
+            raise ValueError(f"rows must be a 1-D tensor of sum(rows_per_seq) = {int(counts.sum())} row indices, got "
+                             f"{rows.shape if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+        qo = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)).to(self.qo_indptr.device)
         return AttentionMetadata(self.q_pos.index_select(0, rows.to(self.q_pos.device)), qo, self.kv_indptr,
                                  self.kv_indices, self.kv_last_page_len, self.max_kv_len)
 
