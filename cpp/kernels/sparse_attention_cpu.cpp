@@ -439,70 +439,56 @@ SAMCACHE_VEC const float* as_float(const T* src, int64_t n, float* buf) {
   }
 }
 
-// Rows [r0, r0 + R) of a direct task, with NV vectors (16 floats each) per head row, in
-// registers. The first group of a chunk reads the rows from memory (prefetched ahead); later
-// groups find them in L2.
-template <int R, int NV>
-SAMCACHE_VEC void scores_rows(float* s, const float* q, const float* k, int64_t n, int64_t r0, int64_t Hq, int64_t G,
-                              const int64_t* off, int64_t row_bytes, bool prefetch) {
+// One pass of a direct task over a chunk's n tokens, for rows [r0, r0 + R) held in registers (NV
+// vectors of 16 floats per head row). K pass (kValues false): the rows are queries X, and
+// S[row][j] = q . k_j. V pass: the rows are outputs X, and X[row] += S[row][j] v_j. The first group
+// of a chunk reads the tokens' rows from memory (prefetched ahead); later groups find them in L2.
+template <bool kValues, int R, int NV>
+SAMCACHE_VEC void pass_rows(float* S, float* X, const float* cache, int64_t n, int64_t r0, int64_t Hq, int64_t G,
+                            const int64_t* off, int64_t row_bytes, bool prefetch) {
   constexpr int64_t kAhead = 16, D = NV * kW;
-  vf16 qr[R][NV];
+  vf16 x[R][NV];
   int64_t head[R];
   for (int r = 0; r < R; ++r) {
     head[r] = ((r0 + r) % Hq) / G * D;
-    for (int i = 0; i < NV; ++i) qr[r][i] = load(q + (r0 + r) * D + i * kW);
+    for (int i = 0; i < NV; ++i) x[r][i] = load(X + (r0 + r) * D + i * kW);
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (prefetch && j + kAhead < n) prefetch_row(k + off[j + kAhead], row_bytes);
-    const float* row = k + off[j];
+    if (prefetch && j + kAhead < n) prefetch_row(cache + off[j + kAhead], row_bytes);
+    const float* row = cache + off[j];
     for (int r = 0; r < R; ++r) {
-      vf16 acc = qr[r][0] * load(row + head[r]);
-      for (int i = 1; i < NV; ++i) acc += qr[r][i] * load(row + head[r] + i * kW);
-      s[(r0 + r) * kKeyChunk + j] = hsum(acc);
+      if constexpr (kValues) {
+        const vf16 pj = splat(S[(r0 + r) * kKeyChunk + j]);
+        for (int i = 0; i < NV; ++i) x[r][i] += pj * load(row + head[r] + i * kW);
+      } else {
+        vf16 acc = x[r][0] * load(row + head[r]);
+        for (int i = 1; i < NV; ++i) acc += x[r][i] * load(row + head[r] + i * kW);
+        S[(r0 + r) * kKeyChunk + j] = hsum(acc);
+      }
     }
   }
+  if constexpr (kValues)
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < NV; ++i) store(X + (r0 + r) * D + i * kW, x[r][i]);
 }
 
-template <int R, int NV>
-SAMCACHE_VEC void accumulate_rows(float* o, const float* p, const float* v, int64_t n, int64_t r0, int64_t Hq,
-                                  int64_t G, const int64_t* off, int64_t row_bytes, bool prefetch) {
-  constexpr int64_t kAhead = 16, D = NV * kW;
-  vf16 acc[R][NV];
-  int64_t head[R];
-  for (int r = 0; r < R; ++r) {
-    head[r] = ((r0 + r) % Hq) / G * D;
-    for (int i = 0; i < NV; ++i) acc[r][i] = load(o + (r0 + r) * D + i * kW);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    if (prefetch && j + kAhead < n) prefetch_row(v + off[j + kAhead], row_bytes);
-    const float* row = v + off[j];
-    for (int r = 0; r < R; ++r) {
-      const vf16 pj = splat(p[(r0 + r) * kKeyChunk + j]);
-      for (int i = 0; i < NV; ++i) acc[r][i] += pj * load(row + head[r] + i * kW);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NV; ++i) store(o + (r0 + r) * D + i * kW, acc[r][i]);
-}
-
-// Scores and V accumulation of every row of a direct task, in groups of R rows (R x NV registers
-// of queries or outputs).
-template <int NV>
-SAMCACHE_VEC void scores_in_groups(float* s, const float* q, const float* k, int64_t n, int64_t rows, int64_t Hq,
-                                   int64_t G, const int64_t* off, int64_t row_bytes) {
+// A pass over every row of a direct task, in groups of R rows (R x NV registers).
+template <bool kValues, int NV>
+SAMCACHE_VEC void pass_in_groups(float* S, float* X, const float* cache, int64_t n, int64_t rows, int64_t Hq,
+                                 int64_t G, const int64_t* off, int64_t row_bytes) {
   constexpr int R = NV <= 4 ? 4 : 2;
   int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) scores_rows<R, NV>(s, q, k, n, r0, Hq, G, off, row_bytes, r0 == 0);
-  for (; r0 < rows; ++r0) scores_rows<1, NV>(s, q, k, n, r0, Hq, G, off, row_bytes, r0 == 0);
+  for (; r0 + R <= rows; r0 += R) pass_rows<kValues, R, NV>(S, X, cache, n, r0, Hq, G, off, row_bytes, r0 == 0);
+  for (; r0 < rows; ++r0) pass_rows<kValues, 1, NV>(S, X, cache, n, r0, Hq, G, off, row_bytes, r0 == 0);
 }
 
-template <int NV>
-SAMCACHE_VEC void accumulate_in_groups(float* o, const float* p, const float* v, int64_t n, int64_t rows, int64_t Hq,
-                                       int64_t G, const int64_t* off, int64_t row_bytes) {
-  constexpr int R = NV <= 4 ? 4 : 2;
-  int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) accumulate_rows<R, NV>(o, p, v, n, r0, Hq, G, off, row_bytes, r0 == 0);
-  for (; r0 < rows; ++r0) accumulate_rows<1, NV>(o, p, v, n, r0, Hq, G, off, row_bytes, r0 == 0);
+// The register-held pass for the head dims that have one (float caches, D = 32, 64 or 128).
+template <bool kValues>
+SAMCACHE_VEC void pass_by_head_dim(int64_t D, float* S, float* X, const float* cache, int64_t n, int64_t rows,
+                                   int64_t Hq, int64_t G, const int64_t* off, int64_t row_bytes) {
+  if (D == 32) pass_in_groups<kValues, 2>(S, X, cache, n, rows, Hq, G, off, row_bytes);
+  else if (D == 64) pass_in_groups<kValues, 4>(S, X, cache, n, rows, Hq, G, off, row_bytes);
+  else pass_in_groups<kValues, 8>(S, X, cache, n, rows, Hq, G, off, row_bytes);
 }
 
 // One sequence, every query head at once: each token's K and V rows (all KV heads, contiguous)
@@ -531,10 +517,7 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
     const bool fast = std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128);
     const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(T));
     if (fast) {
-      const float* k = reinterpret_cast<const float*>(kc);
-      if (D == 32) scores_in_groups<2>(S, Q, k, n, rows, Hq, G, off, row_bytes);
-      else if (D == 64) scores_in_groups<4>(S, Q, k, n, rows, Hq, G, off, row_bytes);
-      else scores_in_groups<8>(S, Q, k, n, rows, Hq, G, off, row_bytes);
+      pass_by_head_dim<false>(D, S, Q, reinterpret_cast<const float*>(kc), n, rows, Hq, G, off, row_bytes);
     } else {
       for (int64_t j = 0; j < n; ++j) {
         if (j + kAhead < n) prefetch_row(kc + off[j + kAhead], row_elems * sizeof(T));
@@ -544,10 +527,7 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
     }
     softmax_rows(bt, t, c0, n, n, kKeyChunk, S, O, sc.m.data(), sc.l.data());
     if (fast) {
-      const float* v = reinterpret_cast<const float*>(vc);
-      if (D == 32) accumulate_in_groups<2>(O, S, v, n, rows, Hq, G, off, row_bytes);
-      else if (D == 64) accumulate_in_groups<4>(O, S, v, n, rows, Hq, G, off, row_bytes);
-      else accumulate_in_groups<8>(O, S, v, n, rows, Hq, G, off, row_bytes);
+      pass_by_head_dim<true>(D, S, O, reinterpret_cast<const float*>(vc), n, rows, Hq, G, off, row_bytes);
       continue;
     }
     for (int64_t j = 0; j < n; ++j) {
