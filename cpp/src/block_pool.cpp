@@ -72,40 +72,41 @@ SeqId BlockPool::create_locked(const Key128& root) {
   return (static_cast<SeqId>(s.generation) << 32) | index;
 }
 
+SeqId BlockPool::create_sharing_locked(SeqId src, int64_t first, int64_t count) {
+  const Key128 root = lookup(src).root;
+  const SeqId id = create_locked(root);  // may grow seqs_: look both up again
+  const Sequence& s = lookup(src);
+  Sequence& c = lookup(id);
+  c.table.assign(s.table.begin() + first, s.table.begin() + first + count);
+  c.priority = s.priority;
+  for (BlockId b : c.table) ++blocks_[b].ref;
+  return id;
+}
+
 SeqId BlockPool::fork(SeqId parent) {
   std::lock_guard lock(mu_);
-  const Key128 root = lookup(parent).root;  // validates before any change
-  const SeqId child = create_locked(root);  // may grow seqs_: look both up again
+  const auto size = static_cast<int64_t>(lookup(parent).table.size());  // validates before any change
+  const SeqId child = create_sharing_locked(parent, 0, size);
   const Sequence& p = lookup(parent);
   Sequence& c = lookup(child);
-  c.table = p.table;
   c.num_tokens = p.num_tokens;
-  c.priority = p.priority;
   c.last_hash = p.last_hash;
   c.cacheable = p.cacheable;
   c.tail = p.tail;
   c.spans = p.spans;
-  for (BlockId b : c.table) ++blocks_[b].ref;
   return child;
 }
 
 SeqId BlockPool::share_blocks(SeqId seq, int64_t first, int64_t count) {
   std::lock_guard lock(mu_);
-  const Sequence& src = lookup(seq);  // validates before any change
-  const auto size = static_cast<int64_t>(src.table.size());
-  if (first < 0 || count < 1 || first > size || count > size - first)
-    throw std::invalid_argument("share_blocks: blocks [" + std::to_string(first) + ", " + std::to_string(first) + " + " +
-                                std::to_string(count) + ") are not within the sequence's " + std::to_string(size) +
-                                " blocks");
-  const Key128 root = src.root;
-  const SeqId holder = create_locked(root);  // may grow seqs_: look both up again
-  const Sequence& p = lookup(seq);
+  const auto size = static_cast<int64_t>(lookup(seq).table.size());  // validates before any change
+  if (first < 0 || count < 1 || count > size - first)
+    throw std::invalid_argument("share_blocks: blocks [" + str(first) + ", " + str(first) + " + " + str(count) +
+                                ") are not within the sequence's " + str(size) + " blocks");
+  const SeqId holder = create_sharing_locked(seq, first, count);
   Sequence& h = lookup(holder);
-  h.table.assign(p.table.begin() + first, p.table.begin() + first + count);
   h.num_tokens = count * block_size_;
-  h.priority = p.priority;
   h.cacheable = false;
-  for (BlockId b : h.table) ++blocks_[b].ref;
   return holder;
 }
 

@@ -127,6 +127,9 @@ class BlockPool {
   };
 
   SeqId create_locked(const Key128& root);
+  // A new sequence with src's root and priority, holding blocks [first, first + count) of its
+  // table (one more reference each); the caller sets the rest.
+  SeqId create_sharing_locked(SeqId src, int64_t first, int64_t count);
   void set_priority_locked(const BlockId* blocks, size_t n, int32_t priority);
   Sequence& lookup(SeqId id);
   const Sequence& lookup(SeqId id) const;
