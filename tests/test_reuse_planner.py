@@ -124,3 +124,11 @@ def test_bad_input_is_refused():
         RecomputeBudget(rates=(0.1,), tracks="all")
     with pytest.raises(ValueError, match="head_fraction"):
         RecomputeBudget(rates=(0.1,), head_fraction=2)
+    with pytest.raises(ValueError, match="has index 5: images are numbered in prompt order"):
+        plan_reuse(PromptLayout(100, (ImageSlot(5, 10, 40, "A", 10),)), num_layers=1)
+    with pytest.raises(ValueError, match="ImageSlot.start must be an int"):
+        ImageSlot(0, 10.0, 40, "A", 10)
+    with pytest.raises(ValueError, match="ImageSlot.length must be an int >= 1"):
+        ImageSlot(0, 10, 0, "A", 10)
+    with pytest.raises(ValueError, match="CachedImage.position must be an int >= 0"):
+        CachedImage(40, -1)

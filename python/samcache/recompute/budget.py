@@ -23,6 +23,19 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def check_probe_rates(rates: Sequence[float]) -> np.ndarray:
+    """``rates`` as a probe grid: a non-empty 1-D float64 array from 0, strictly increasing, <= 1."""
+    try:
+        rates = np.asarray(rates, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"rates must be a sequence of numbers, got {rates!r}") from None
+    if rates.ndim != 1 or rates.size < 1:
+        raise ValueError("rates must be a non-empty 1-D sequence")
+    if rates[0] != 0.0 or np.any(np.diff(rates) <= 0) or rates[-1] > 1.0:
+        raise ValueError(f"rates must start at 0, strictly increase and stay <= 1, got {rates.tolist()}")
+    return rates
+
+
 @dataclass(frozen=True)
 class SensitivityCurves:
     """``loss[l, i]``: fidelity loss (e.g. next-token KL vs a full prefill) when layer ``l``
@@ -32,12 +45,8 @@ class SensitivityCurves:
     loss: np.ndarray
 
     def __post_init__(self) -> None:
-        rates = np.asarray(self.rates, dtype=np.float64)
+        rates = check_probe_rates(self.rates)
         loss = np.asarray(self.loss, dtype=np.float64)
-        if rates.ndim != 1 or rates.size < 1:
-            raise ValueError("rates must be a non-empty 1-D sequence")
-        if rates[0] != 0.0 or np.any(np.diff(rates) <= 0) or rates[-1] > 1.0:
-            raise ValueError(f"rates must start at 0, strictly increase and stay <= 1, got {rates.tolist()}")
         if loss.ndim != 2 or loss.shape[1] != rates.size or loss.shape[0] < 1:
             raise ValueError(f"loss must be [num_layers, {rates.size}], got shape {loss.shape}")
         if not np.all(np.isfinite(loss)):
@@ -60,9 +69,14 @@ class LayerBudget:
     mean_rate: float
 
     def tokens_per_layer(self, span_tokens: int) -> list[int]:
-        """How many of ``span_tokens`` reused tokens each layer recomputes (rounded up, so a
-        non-zero rate always recomputes at least one token)."""
-        return [math.ceil(r * span_tokens - 1e-9) for r in self.rates]
+        """How many of ``span_tokens`` reused tokens each layer recomputes."""
+        return tokens_per_layer(self.rates, span_tokens)
+
+
+def tokens_per_layer(rates: Sequence[float], reused_tokens: int) -> list[int]:
+    """How many of ``reused_tokens`` each layer recomputes at ``rates`` (in [0, 1]): rounded up,
+    so a non-zero rate always recomputes at least one token, and never more than all of them."""
+    return [math.ceil(r * reused_tokens - 1e-9) for r in rates]
 
 
 def solve_layer_budget(curves: SensitivityCurves, total_rate: float, *, resolution: int = 200) -> LayerBudget:

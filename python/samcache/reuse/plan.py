@@ -6,11 +6,13 @@ runner (samcache's own, or an engine integration) executes a :class:`ReusePlan` 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from samcache._checks import check_fraction, check_int
+from samcache.recompute.budget import tokens_per_layer
 from samcache.recompute.selection import RecomputePlan, ReusedSpan, plan_recompute
 
 
@@ -25,6 +27,12 @@ class ImageSlot:
     length: int
     key: Hashable
     position: int
+
+    def __post_init__(self) -> None:
+        check_int("ImageSlot.index", self.index, 0)
+        check_int("ImageSlot.start", self.start, 0)
+        check_int("ImageSlot.length", self.length, 1)
+        check_int("ImageSlot.position", self.position, 0)
 
     @property
     def end(self) -> int:
@@ -47,6 +55,10 @@ class CachedImage:
     length: int
     position: int
 
+    def __post_init__(self) -> None:
+        check_int("CachedImage.length", self.length, 1)
+        check_int("CachedImage.position", self.position, 0)
+
 
 @dataclass(frozen=True)
 class RecomputeBudget:
@@ -67,15 +79,29 @@ class RecomputeBudget:
             raise ValueError(f"rates must be in [0, 1] and non-increasing with depth, got {list(rates)}")
         if self.tracks not in ("both", "heads"):
             raise ValueError(f"tracks must be 'both' or 'heads', got {self.tracks!r}")
-        for name in ("head_fraction", "track2_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        check_fraction("head_fraction", self.head_fraction)
+        check_fraction("track2_share", self.track2_share)
         object.__setattr__(self, "rates", rates)
 
     @classmethod
     def none(cls, num_layers: int) -> "RecomputeBudget":
         return cls(rates=(0.0,) * num_layers)
+
+    @property
+    def wants_scores(self) -> bool:
+        """Track 2 is ordered by relevance scores."""
+        return self.tracks == "both" and self.relevance
+
+    def quota(self, reused_tokens: int) -> list[int]:
+        """How many of ``reused_tokens`` each layer recomputes."""
+        return tokens_per_layer(self.rates, reused_tokens)
+
+    def order(self, spans: Sequence[ReusedSpan], quota: Sequence[int], scores: np.ndarray | None = None
+              ) -> RecomputePlan:
+        """The two-track recompute order of ``spans`` with these quotas (scores: track 2's
+        relevance of every position; ignored unless :attr:`wants_scores`)."""
+        return plan_recompute(spans, quota, scores if self.wants_scores else None, head_fraction=self.head_fraction,
+                              track2_share=self.track2_share, tracks=self.tracks)
 
 
 @dataclass(frozen=True)
@@ -131,6 +157,11 @@ class ReusePlan:
         return sum(s.length for s in self.spliced)
 
     @property
+    def reused_spans(self) -> list[ReusedSpan]:
+        """The spliced token ranges, as the recompute policy takes them."""
+        return [ReusedSpan(s.start, s.length) for s in self.spliced]
+
+    @property
     def rows(self) -> np.ndarray:
         """Every row computed at some layer (the first layer computes the most)."""
         return self.layer_rows[0] if self.layer_rows else self.new_rows
@@ -158,25 +189,21 @@ class ReusePlan:
         only reused positions are read)."""
         if self.recompute is None:
             return replace(self, needs_scores=False)
-        b = self.budget
-        spans = [ReusedSpan(s.start, s.length) for s in self.spliced]
-        recompute = plan_recompute(spans, self.recompute.quota, scores, head_fraction=b.head_fraction,
-                                   track2_share=b.track2_share, tracks=b.tracks)
-        return _finish(self, recompute)
+        return finish_plan(self, self.budget.order(self.reused_spans, self.recompute.quota, scores), self.num_layers)
 
 
-def _finish(plan: ReusePlan, recompute: RecomputePlan | None) -> ReusePlan:
+def finish_plan(plan: ReusePlan, recompute: RecomputePlan | None, num_layers: int) -> ReusePlan:
     """``plan`` with ``recompute``: per-layer rows and the images their inputs need."""
-    layers = plan.num_layers
     if recompute is None:
-        layer_rows = tuple(plan.new_rows for _ in range(layers))
+        layer_rows = tuple(plan.new_rows for _ in range(num_layers))
     else:
-        layer_rows = tuple(np.union1d(plan.new_rows, recompute.positions(l)) for l in range(layers))
-    rows = layer_rows[0] if layers else plan.new_rows
+        layer_rows = tuple(np.union1d(plan.new_rows, recompute.positions(l)) for l in range(num_layers))
+    rows = layer_rows[0]
     vit = tuple(i for i, lo, hi in plan.image_tokens if np.searchsorted(rows, hi) > np.searchsorted(rows, lo))
-    reused = plan.image_reused_tokens
-    exact = plan.num_tokens if not plan.spliced or (recompute is not None and recompute.quota and
-                                                     min(recompute.quota) >= reused) else plan.spliced[0].start
+    # Exact everywhere only when every reused token is recomputed at every layer (the quotas
+    # shrink with depth: the last layer's is the smallest).
+    all_recomputed = recompute is not None and recompute.quota and recompute.quota[-1] >= plan.image_reused_tokens
+    exact = plan.num_tokens if not plan.spliced or all_recomputed else plan.spliced[0].start
     return replace(plan, recompute=recompute, layer_rows=layer_rows, vit_images=vit, exact_tokens=exact,
                    needs_scores=False)
 

@@ -21,27 +21,27 @@ Rules (docs/design.md, "The reuse plan"):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Mapping
 from dataclasses import replace
 
 import numpy as np
 
-from samcache.recompute.selection import ReusedSpan, plan_recompute
-from samcache.reuse.plan import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, SplicedSpan, _finish
+from samcache._checks import check_int
+from samcache.reuse.plan import (CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, SplicedSpan,
+                                 finish_plan)
 
 
 def _check_layout(layout: PromptLayout) -> None:
     if not isinstance(layout, PromptLayout):
         raise TypeError(f"layout must be a PromptLayout, got {type(layout).__name__}")
-    n = layout.num_tokens
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"a prompt needs at least one token, got num_tokens={n!r}")
+    n = check_int("layout.num_tokens (a prompt needs at least one token)", layout.num_tokens, 1)
     end = 0
-    for slot in layout.images:
+    for i, slot in enumerate(layout.images):
         if not isinstance(slot, ImageSlot):
             raise TypeError(f"layout.images must hold ImageSlot values, got {type(slot).__name__}")
-        if slot.length < 1 or slot.start < end or slot.end > n:
+        if slot.index != i:
+            raise ValueError(f"layout.images[{i}] has index {slot.index}: images are numbered in prompt order")
+        if slot.start < end or slot.end > n:
             raise ValueError(f"image {slot.index} spans tokens [{slot.start}, {slot.end}): images must lie inside "
                              f"the {n}-token prompt, in order, without overlapping")
         end = slot.end
@@ -63,8 +63,7 @@ def plan_reuse(
     track-2 relevance of every prompt position, if already known.
     """
     _check_layout(layout)
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    check_int("num_layers", num_layers, 1)
     n = layout.num_tokens
     if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or not 0 <= prefix_tokens < n:
         raise ValueError(f"prefix_tokens must be in [0, {n - 1}] (the last token is always computed), "
@@ -92,23 +91,17 @@ def plan_reuse(
         spliced.append(SplicedSpan(slot.index, lo, hi - lo, lo - slot.start, slot.position - entry.position))
         is_new[lo:hi] = False
 
-    new_rows = np.flatnonzero(is_new)
-    reused = sum(s.length for s in spliced)
     plan = ReusePlan(
-        num_tokens=n, prefix_tokens=prefix_tokens, spliced=tuple(spliced), new_rows=new_rows, recompute=None,
-        layer_rows=(), vit_images=(), exact_tokens=n, budget=budget,
+        num_tokens=n, prefix_tokens=prefix_tokens, spliced=tuple(spliced), new_rows=np.flatnonzero(is_new),
+        recompute=None, layer_rows=(), vit_images=(), exact_tokens=n, budget=budget,
         image_tokens=tuple((s.index, s.start, s.end) for s in layout.images),
     )
-    plan = replace(plan, layer_rows=tuple(new_rows for _ in range(num_layers)))
-    quota = [min(math.ceil(r * reused - 1e-9), reused) for r in budget.rates] if budget is not None and reused else []
+    reused = plan.image_reused_tokens
+    quota = budget.quota(reused) if budget is not None and reused else []
     if not quota or quota[0] == 0:
-        return _finish(plan, None)
-    wants_scores = budget.tracks == "both" and budget.relevance
-    spans = [ReusedSpan(s.start, s.length) for s in spliced]
-    recompute = plan_recompute(spans, quota, scores if wants_scores else None, head_fraction=budget.head_fraction,
-                               track2_share=budget.track2_share, tracks=budget.tracks)
-    plan = _finish(plan, recompute)
-    return replace(plan, needs_scores=True) if wants_scores and scores is None else plan
+        return finish_plan(plan, None, num_layers)
+    plan = finish_plan(plan, budget.order(plan.reused_spans, quota, scores), num_layers)
+    return replace(plan, needs_scores=True) if budget.wants_scores and scores is None else plan
 
 
 __all__ = ["plan_reuse"]
