@@ -37,6 +37,13 @@ class AppendResult(NamedTuple):
     copies: np.ndarray
 
 
+def slot_ids(block_table: np.ndarray, positions: Any, block_size: int) -> np.ndarray:
+    """Slot ids (int64: block * block_size + offset) of token ``positions`` of a sequence whose
+    block table is ``block_table``."""
+    positions = np.asarray(positions, dtype=np.int64)
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
 def as_int32_array(values: Any, name: str) -> np.ndarray:
     """A 1-D C-contiguous int32 array from a list, numpy array or CPU tensor of integers."""
     try:

@@ -16,17 +16,16 @@ holds 1.03x one copy of its KV.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from samcache.block_pool import BlockPool
-from samcache.content_index import ContentIndex
+from samcache._checks import check_int
+from samcache.block_pool import BlockPool, slot_ids
 from samcache.errors import InvariantViolation
 from samcache.hashing import ContentKey
-from samcache.stores.tensor_store import StoreStats
+from samcache.stores.tensor_store import TensorStore
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,6 @@ class HeldImage:
     offset: int
     length: int
     position: int
-    check: Any
 
 
 class ImageKVStore:
@@ -46,94 +44,83 @@ class ImageKVStore:
 
     ``capacity_bytes`` bounds the blocks held (counted whole, ``block_bytes`` each, for every
     layer's K and V). ``check`` values record what an entry was made from; a lookup with another
-    record is a miss, never a wrong hit.
+    record is a miss, never a wrong hit. The entries are a :class:`TensorStore` of
+    :class:`HeldImage` sized by their blocks; evicting one frees its holder.
     """
 
     def __init__(self, pool: BlockPool, capacity_bytes: int, block_bytes: int) -> None:
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
-        for name, value in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.pool = pool
-        self.block_bytes = block_bytes
-        self.index = ContentIndex(capacity_bytes)
-        self._held: dict[int, HeldImage] = {}
-        self._handles = itertools.count()
-        self.stats = StoreStats()
+        self.block_bytes = check_int("block_bytes", block_bytes, 1)
+        self.entries = TensorStore("image KV", capacity_bytes, on_evict=lambda held: pool.free_sequence(held.seq))
 
     # ---- look-ups -------------------------------------------------------------------------------
     def get(self, key: ContentKey, check: Any = None) -> HeldImage | None:
-        entry = self.index.get(key)
-        held = self._held.get(entry.handle) if entry is not None else None
-        if held is None or held.check != check:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        return held
+        return self.entries.get(key, check)
 
     def __contains__(self, key: ContentKey) -> bool:
-        return key in self.index
+        return key in self.entries
 
     def slots(self, held: HeldImage, first: int, count: int) -> np.ndarray:
         """KV slot ids (int64) of the image's tokens ``[first, first + count)``."""
-        if first < 0 or count < 0 or first + count > held.length:
+        if not isinstance(held, HeldImage):
+            raise TypeError(f"held must be a HeldImage (from get), got {type(held).__name__}")
+        check_int("first", first, 0)
+        check_int("count", count, 0)
+        if first + count > held.length:
             raise ValueError(f"tokens [{first}, {first + count}) are outside the image's {held.length}")
-        bs = self.pool.block_size
-        index = np.arange(held.offset + first, held.offset + first + count, dtype=np.int64)
-        return self.pool.block_table(held.seq).astype(np.int64)[index // bs] * bs + index % bs
+        index = np.arange(held.offset + first, held.offset + first + count)
+        return slot_ids(self.pool.block_table(held.seq), index, self.pool.block_size)
 
     # ---- inserts and evictions --------------------------------------------------------------------
     def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None) -> bool:
         """Hold the KV of tokens ``[start, start + length)`` of live sequence ``seq`` (already written)
         under ``key``. False if the key is present or the image alone exceeds the capacity."""
-        if key in self.index:
+        check_int("start", start, 0)
+        check_int("length", length, 1)
+        check_int("position", position, 0)
+        if key in self.entries:
             return False
         bs = self.pool.block_size
         first, last = start // bs, (start + length - 1) // bs
         size = (last - first + 1) * self.block_bytes
-        if size > self.index.capacity_bytes:
-            self.stats.rejected += 1
+        if size > self.entries.index.capacity_bytes:
+            self.entries.stats.rejected += 1
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
-        handle = next(self._handles)
         try:
-            result = self.index.put(key, handle=handle, size_bytes=size)
+            inserted = self.entries.put(key, HeldImage(holder, start - first * bs, length, position), check,
+                                        size_bytes=size)
         except BaseException:
             self.pool.free_sequence(holder)
             raise
-        self._release(result.evicted)
-        self._held[handle] = HeldImage(holder, start - first * bs, length, position, check)
-        self.stats.inserts += 1
-        return True
+        if not inserted:
+            self.pool.free_sequence(holder)
+        return inserted
 
     def evict_for_blocks(self, blocks: int) -> None:
         """Release held images, least recently used first, until the pool can hand out ``blocks``
         blocks or nothing is held any more."""
-        while self.pool.num_free_blocks() < blocks and len(self.index):
-            evicted = self.index.evict_until(max(0, self.index.used_bytes - 1))
-            if not evicted:  # only pinned entries are left
-                return
-            self._release(evicted)
+        while self.pool.num_free_blocks() < blocks and len(self.entries):
+            if not self.entries.evict_until(max(0, self.entries.used_bytes - 1)):
+                return  # only pinned entries are left
 
     def clear(self) -> None:
-        self._release(self.index.evict_until(0))
-
-    def _release(self, evicted) -> None:
-        for item in evicted:
-            held = self._held.pop(item.entry.handle, None)
-            if held is not None:
-                self.pool.free_sequence(held.seq)
-                self.stats.evictions += 1
+        self.entries.clear()
 
     # ---- accounting ---------------------------------------------------------------------------------
     @property
+    def stats(self):
+        return self.entries.stats
+
+    @property
     def used_bytes(self) -> int:
-        return self.index.used_bytes
+        return self.entries.used_bytes
 
     @property
     def held_tokens(self) -> int:
-        return sum(h.length for h in self._held.values())
+        return sum(h.length for h in self.entries.payloads())
 
     def bytes_per_token(self) -> float:
         """Bytes held per cached image token (0.0 when empty)."""
@@ -141,13 +128,11 @@ class ImageKVStore:
         return self.used_bytes / tokens if tokens else 0.0
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.entries)
 
     def check_invariants(self) -> None:
-        self.index.check_invariants()
-        if len(self.index) != len(self._held):
-            raise InvariantViolation(f"image KV: {len(self.index)} index entries but {len(self._held)} holders")
-        for held in self._held.values():
+        self.entries.check_invariants()
+        for held in self.entries.payloads():
             if self.pool.num_tokens(held.seq) < held.offset + held.length:
                 raise InvariantViolation(f"image KV holder {held.seq} is shorter than its image")
 
