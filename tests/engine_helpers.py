@@ -8,7 +8,8 @@ SIZE = (112, 168)  # small screenshots: 24-90 image tokens each on the tiny mode
 def make_engine(path, **kw):
     """An engine for tests: CPU, a 16 MiB pool, the uniform budget unless told otherwise."""
     kw.setdefault("recompute_budget", "uniform")
-    kw.setdefault("kv_cache_bytes", 16 << 20)
+    if "num_blocks" not in kw:
+        kw.setdefault("kv_cache_bytes", 16 << 20)
     kw.setdefault("device", "cpu")
     return SAMcacheEngine(path, **kw)
 

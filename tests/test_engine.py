@@ -17,7 +17,9 @@ pytest.importorskip("transformers")
 from samcache import ImageLoadError, Namespace, PromptTooLong, UnsupportedModel, ops  # noqa: E402
 from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
-from samcache.eval import reference_prefill  # noqa: E402
+from samcache.engine.calibration import Calibrator  # noqa: E402
+from samcache.engine.executor import RequestOptions  # noqa: E402
+from samcache.eval import greedy_decode, reference_prefill  # noqa: E402
 from samcache.models import FAMILIES, build_tiny_model  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
@@ -392,8 +394,15 @@ def test_constructor_and_chat_arguments_are_checked(checkpoints, engines, tmp_pa
     path = checkpoints["qwen2_5_vl"]
     for kw, match in ((dict(head_fraction=2.0), "head_fraction"), (dict(track2_share=-0.1), "track2_share"),
                       (dict(block_size=0), "block_size"), (dict(num_blocks=-3), "num_blocks"),
-                      (dict(vit_cache_bytes=0), "vit_cache_bytes")):
+                      (dict(vit_cache_bytes=0), "vit_cache_bytes"),
+                      (dict(num_blocks=8, kv_cache_bytes=1 << 20), "num_blocks or kv_cache_bytes"),
+                      (dict(kv_cache_bytes=100), "kv_cache_bytes=100 holds no KV block"),
+                      (dict(model_id="m\x00approximate-prefix"), "without NUL characters")):
         with pytest.raises(ValueError, match=match):
+            make_engine(path, **kw)
+    for kw, match in ((dict(share_weights_with="engine"), "share_weights_with must be a SAMcacheEngine"),
+                      (dict(tenant=7), "tenant must be")):
+        with pytest.raises(TypeError, match=match):
             make_engine(path, **kw)
     (tmp_path / "bad.json").write_text('{"rates": [0, 1]}')
     with pytest.raises(ValueError, match="sensitivity-curves JSON"):
@@ -403,4 +412,22 @@ def test_constructor_and_chat_arguments_are_checked(checkpoints, engines, tmp_pa
         engine.chat(images="shot.png", prompt="x")
     with pytest.raises(TypeError, match="system must be a str"):
         engine.new_session(system=["not", "text"])
+    with pytest.raises(TypeError, match="session must be a Session"):
+        engine.chat(prompt="x", session=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        engine.chat(prompt="x", max_new_tokens=0)
+    with pytest.raises(TypeError, match="ignore_eos must be a bool"):
+        engine.chat(prompt="x", ignore_eos="yes")
+    with pytest.raises(TypeError, match="RequestOptions.budget must be a RecomputeBudget"):
+        RequestOptions(budget=0.05)
+    with pytest.raises(ValueError, match="one first token per sequence"):
+        greedy_decode(engine.executor, [0], [], 0, 2)
+    with pytest.raises(ValueError, match="n_tokens must be an int >= 1"):
+        greedy_decode(engine.executor, [], [], 0, 0)
+    with pytest.raises(TypeError, match="engine must be a SAMcacheEngine"):
+        Calibrator(object())
+    with pytest.raises(ValueError, match="at least one image"):
+        engine.calibrate(images=[], progress=False)
+    with pytest.raises(ValueError, match="rates must start at 0"):
+        engine.calibrate(rates=(0.1, 0.5), progress=False)
     assert_clean(engine)

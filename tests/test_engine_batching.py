@@ -70,6 +70,10 @@ def test_one_bad_request_does_not_stop_the_others(path):
     assert info.value.results[0].token_ids == results[0].token_ids
     with pytest.raises(TypeError, match="list of ChatRequest"):
         engine.chat_batch(reqs[0])
+    session = engine.new_session("One conversation.")
+    with pytest.raises(ValueError, match="requests 0 and 1 continue the same Session"):
+        engine.chat_batch([ChatRequest(prompt="a", session=session), ChatRequest(prompt="b", session=session)])
+    assert session.messages == [{"role": "system", "content": "One conversation."}]
     assert_clean(engine)
 
 

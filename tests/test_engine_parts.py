@@ -15,7 +15,8 @@ from samcache import Namespace, hash_bytes  # noqa: E402
 from samcache.engine.images import PreparedImage  # noqa: E402
 from samcache.engine.prompt import build_prompt, image_positions  # noqa: E402
 from samcache.engine.sampling import Sampler  # noqa: E402
-from samcache.stores import TensorStore  # noqa: E402
+from samcache.block_pool import BlockPool  # noqa: E402
+from samcache.stores import ImageKVStore, TensorStore  # noqa: E402
 
 NS = Namespace("test-model")
 
@@ -35,6 +36,46 @@ def test_store_is_byte_bounded_evicts_lru_and_drops_payloads():
     store.check_invariants()
     assert not store.put(key(9), torch.zeros(1000))  # larger than the whole store: not kept
     assert store.stats.rejected == 1 and key(9) not in store
+
+
+def test_store_sizes_by_request_and_reports_what_it_lets_go():
+    released = []
+    store = TensorStore("t", capacity_bytes=1000, on_evict=released.append)
+    assert store.put(key(0), "a", size_bytes=600) and store.put(key(1), "b", size_bytes=300)
+    assert store.used_bytes == 900
+    assert store.put(key(2), "c", size_bytes=500)  # evicts the least recently used: "a"
+    assert released == ["a"] and store.stats.evictions == 1
+    assert store.evict_until(0) == 2 and sorted(released) == ["a", "b", "c"] and len(store) == 0
+    store.check_invariants()
+    with pytest.raises(ValueError, match="size_bytes must be an int >= 1"):
+        store.put(key(3), "d", size_bytes=0)
+    with pytest.raises(ValueError, match="capacity_bytes must be an int >= 1"):
+        TensorStore("t", capacity_bytes=0)
+
+
+def test_image_kv_store_checks_its_arguments():
+    pool = BlockPool(16, 4)
+    store = ImageKVStore(pool, capacity_bytes=1 << 20, block_bytes=64)
+    seq = pool.new_sequence()
+    pool.append_slots(seq, 20)
+    for kw, match in ((dict(start=-3), "start must be"), (dict(length=0), "length must be"),
+                      (dict(position=1.5), "position must be")):
+        args = dict(start=4, length=8, position=4) | kw
+        with pytest.raises(ValueError, match=match):
+            store.put(key(0), seq, args["start"], args["length"], args["position"])
+    assert store.put(key(0), seq, 4, 8, 4) and not store.put(key(0), seq, 4, 8, 4)
+    held = store.get(key(0))
+    np.testing.assert_array_equal(store.slots(held, 1, 3), pool.block_table(seq)[[1, 1, 1]] * 4 + [1, 2, 3])
+    with pytest.raises(ValueError, match="first must be an int"):
+        store.slots(held, 0.5, 2)
+    with pytest.raises(ValueError, match="outside the image's 8"):
+        store.slots(held, 6, 3)
+    with pytest.raises(TypeError, match="held must be a HeldImage"):
+        store.slots((0, 0), 0, 1)
+    pool.free_sequence(seq)
+    store.clear()
+    assert pool.stats()["live_sequences"] == 0
+    store.check_invariants()
 
 
 def test_store_lookup_with_another_check_misses():

@@ -74,6 +74,20 @@ class ChatRequest:
     seed: int | None = None
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if self.session is not None and not isinstance(self.session, Session):
+            raise TypeError(f"session must be a Session (engine.new_session()), got {type(self.session).__name__}")
+        for name in ("fidelity", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.fidelity:
+            check_int("fidelity_tokens", self.fidelity_tokens, 1)
+        if self.seed is not None:
+            check_seed(self.seed)
+        if self.tenant is not None and not isinstance(self.tenant, (str, bytes)):
+            raise TypeError(f"tenant must be a str, bytes or None, got {type(self.tenant).__name__}")
+
 
 @dataclass
 class ChatResult:
@@ -157,9 +171,12 @@ class SAMcacheEngine:
                 "compression_enabled=True needs the router-logit visual-token compression policy, "
                 "which this version does not have yet; use compression_enabled=False"
             )
-        for name, value in (("recompute_ratio", recompute_ratio), ("head_fraction", head_fraction),
-                            ("track2_share", track2_share)):
-            check_fraction(name, value)
+        check_fraction("recompute_ratio", recompute_ratio)
+        if recompute_tracks not in ("both", "heads"):
+            raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
+        # head_fraction and track2_share are checked by the budget they shape.
+        self._budget_template = RecomputeBudget((), head_fraction=head_fraction, track2_share=track2_share,
+                                                tracks=recompute_tracks)
         for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
                                       ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
                                       ("image_kv_cache_bytes", image_kv_cache_bytes, True),
@@ -167,8 +184,15 @@ class SAMcacheEngine:
             if value is not None or not optional:
                 check_int(name, value, 1)
         check_seed(seed)
-        if recompute_tracks not in ("both", "heads"):
-            raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise ValueError("pass num_blocks or kv_cache_bytes (the pool's size), not both")
+        if share_weights_with is not None and not isinstance(share_weights_with, SAMcacheEngine):
+            raise TypeError(f"share_weights_with must be a SAMcacheEngine, got {type(share_weights_with).__name__}")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id or "\x00" in model_id):
+            raise ValueError(f"model_id must be a non-empty str without NUL characters (samcache derives cache "
+                             f"spaces from it with them), got {model_id!r}")
+        if tenant is not None and not isinstance(tenant, (str, bytes)):
+            raise TypeError(f"tenant must be a str, bytes or None, got {type(tenant).__name__}")
         if prefix_reuse not in ("exact", "approximate"):
             raise ValueError(f"prefix_reuse must be 'exact' or 'approximate', got {prefix_reuse!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
@@ -207,9 +231,6 @@ class SAMcacheEngine:
         self.prefix_reuse = prefix_reuse
         self.recompute_ratio = float(recompute_ratio)
         self.recompute_budget = recompute_budget
-        self.head_fraction = head_fraction
-        self.track2_share = track2_share
-        self.recompute_tracks = recompute_tracks
         self.sensitivity = self._load_sensitivity(sensitivity)
         self._warned_uniform = False
         self._solved: dict = {}
@@ -218,7 +239,7 @@ class SAMcacheEngine:
         self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
                                            self.runner.block_bytes)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
-                                 image_kv_store=self.image_kv_store, use_vit_cache=self.use_vit_cache)
+                                 image_kv_store=self.image_kv_store)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
         self.seed = seed
         self._turns = 0
@@ -280,6 +301,13 @@ class SAMcacheEngine:
             raise TypeError(f"requests must be a list of ChatRequest, got {type(requests).__name__}")
         if not all(isinstance(r, ChatRequest) for r in requests):
             raise TypeError("requests must hold ChatRequest objects")
+        seen: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            if r.session is not None:
+                if id(r.session) in seen:
+                    raise ValueError(f"requests {seen[id(r.session)]} and {i} continue the same Session: each turn "
+                                     "builds on the one before, so serve them one after another")
+                seen[id(r.session)] = i
         results = self._serve(list(requests))
         if not return_exceptions and any(isinstance(r, BaseException) for r in results):
             raise BatchError(results)
@@ -295,7 +323,7 @@ class SAMcacheEngine:
             prompt = self.build_prompt([{"role": "system", "content": "samcache warm-up"},
                                         user_message([screenshot(987_654_321, size)], "warm-up")])
             options = replace(self.request_options(), use_prefix=False, register_prefix=False, use_image_kv=False,
-                              store_images=False, store_vit=False)
+                              store_images=False, use_vit=False, store_vit=False)
             for out in self.scheduler.run([Admission(prompt, Namespace(self.model_id, "samcache/warm-up"), options,
                                                      Sampler(0.0), max_new_tokens=2)]):
                 if isinstance(out, BaseException):
@@ -309,30 +337,39 @@ class SAMcacheEngine:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return build_prompt(ids, images, image_token_id=self.image_token_id, merge_size=self.geometry.merge_size)
 
+    @property
+    def head_fraction(self) -> float:
+        return self._budget_template.head_fraction
+
+    @property
+    def track2_share(self) -> float:
+        return self._budget_template.track2_share
+
+    @property
+    def recompute_tracks(self) -> str:
+        return self._budget_template.tracks
+
+    def recompute_budget_for(self, rates) -> RecomputeBudget:
+        """This engine's recompute budget (its tracks, head fraction, track-2 share) at per-layer ``rates``."""
+        return replace(self._budget_template, rates=tuple(rates))
+
     def request_options(self, recompute_ratio: float | None = None) -> RequestOptions:
         """The cache switches and recompute budget of this engine's requests."""
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
         budget = None
         if self.use_image_kv and ratio > 0:
-            budget = RecomputeBudget(tuple(self.layer_budget(ratio).rates), head_fraction=self.head_fraction,
-                                     track2_share=self.track2_share, tracks=self.recompute_tracks)
+            budget = self.recompute_budget_for(self.layer_budget(ratio).rates)
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
-                              store_images=self.use_image_kv, budget=budget)
+                              store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache)
 
     def prefill(self, prompt: Prompt, *, tenant: str | None = None, options: RequestOptions | None = None
                 ) -> tuple[Prepared, torch.Tensor]:
         """Stage 1 and 2 of a request without decode or registration: its prepared sequence (the
         caller frees ``prepared.seq``) and next-token logits. For tools and tests."""
         with self._lock:
-            ex = self.executor
-            pre = ex.prepare(prompt, Namespace(self.model_id, tenant if tenant is not None else self.tenant),
-                             options or self.request_options())
-            try:
-                return pre, ex.forward([pre.step])[0]
-            except BaseException:
-                ex.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.pool.block_size, hashed=pre.hashed)
-                raise
+            return self.executor.prefill(prompt, Namespace(self.model_id, tenant if tenant is not None else self.tenant),
+                                         options or self.request_options())
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the pool or a store is inconsistent."""
@@ -354,9 +391,6 @@ class SAMcacheEngine:
 
     # ---- serving --------------------------------------------------------------------------------
     def _admission(self, req: ChatRequest, start: float) -> tuple[Admission, list[dict]]:
-        check_int("max_new_tokens", req.max_new_tokens, 1)
-        if req.fidelity:
-            check_int("fidelity_tokens", req.fidelity_tokens, 1)
         sampler = Sampler(req.temperature, req.top_p,
                           seed=(self.seed + self._turns) % SEED_LIMIT if req.seed is None else req.seed)
         if req.messages is not None:

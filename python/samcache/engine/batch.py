@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from samcache.block_pool import slot_ids
 from samcache.ops.sparse_attention import AttentionMetadata
 
 
@@ -24,16 +25,19 @@ class SequenceStep:
 
     ``layer_rows[l]``: the positions layer ``l`` computes (a subset of ``rows`` holding the last
     one; None: all rows at every layer). ``embeds`` / ``positions``: layer-0 inputs and M-RoPE
-    positions of ``rows``. ``num_kv_tokens``: the sequence's KV length after this step.
+    positions of ``rows``; decode rows give ``token_ids`` instead of ``embeds`` (the executor
+    embeds a step's decode tokens in one call). ``num_kv_tokens``: the sequence's KV length after
+    this step.
     ``deepstack``: per DeepStack layer, features to add to the visual rows (``deepstack_rows``:
     index into the features per row, -1 for text).
     """
 
     rows: np.ndarray
-    embeds: torch.Tensor
+    embeds: torch.Tensor | None
     positions: torch.Tensor
     block_table: np.ndarray
     num_kv_tokens: int
+    token_ids: np.ndarray | None = None
     layer_rows: list[np.ndarray] | None = None
     deepstack_rows: np.ndarray | None = None
     deepstack_features: list[torch.Tensor] | None = None
@@ -71,8 +75,10 @@ class StepBatch:
         counts = [int(s.rows.size) for s in steps]
         if any(c == 0 for c in counts):
             raise ValueError("every sequence of a step computes at least its last row")
+        if any(s.embeds is None for s in steps):
+            raise ValueError("every sequence of a step needs its layer-0 inputs (embeds)")
         offsets = np.concatenate([[0], np.cumsum(counts)])
-        slots = np.concatenate([_slots(s.block_table, s.rows, block_size) for s in steps])
+        slots = np.concatenate([slot_ids(s.block_table, s.rows, block_size) for s in steps])
         tables = [s.block_table for s in steps]
         kv_lens = [s.num_kv_tokens for s in steps]
         meta = AttentionMetadata.build([s.rows for s in steps], tables, kv_lens, block_size, device)
@@ -103,34 +109,27 @@ class StepBatch:
 
         all_rows = RowSubset(all_index, slots_t, meta, *visual(None))
 
-        layers: list[RowSubset | None] = []
-        previous: tuple[np.ndarray, RowSubset | None] | None = None
-        for layer in range(num_layers):
+        layers: list[RowSubset | None] = [None] * num_layers
+        # Per-layer subsets exist only where some sequence recomputes a subset (decode steps and
+        # full prefills compute every row at every layer).
+        previous: tuple[np.ndarray, RowSubset] | None = None
+        for layer in range(num_layers if any(s.layer_rows is not None for s in steps) else 0):
             if all(s.layer_rows is None or s.layer_rows[layer].size == s.rows.size for s in steps):
-                layers.append(None)
                 continue
             parts = []
             for s, off in zip(steps, offsets):
                 active = s.rows if s.layer_rows is None else s.layer_rows[layer]
                 parts.append(off + np.searchsorted(s.rows, active))
             index = np.concatenate(parts)
-            if previous is not None and np.array_equal(previous[0], index):
-                layers.append(previous[1])  # the same rows as the layer above: the same plan
-                continue
-            idx = torch.from_numpy(index).to(device)
-            subset = RowSubset(idx, slots_t.index_select(0, idx), meta.select(idx, [p.size for p in parts]),
-                               *visual(index))
-            layers.append(subset)
-            previous = (index, subset)
+            if previous is None or not np.array_equal(previous[0], index):  # else: the layer above's plan
+                idx = torch.from_numpy(index).to(device)
+                previous = (index, RowSubset(idx, slots_t.index_select(0, idx),
+                                             meta.select(idx, [p.size for p in parts]), *visual(index)))
+            layers[layer] = previous[1]
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
         positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
         return cls(embeds=embeds, positions=positions.to(device), all_rows=all_rows, layers=layers,
                    logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats)
-
-
-def _slots(block_table: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:
-    rows = np.asarray(rows, dtype=np.int64)
-    return block_table.astype(np.int64)[rows // block_size] * block_size + rows % block_size
 
 
 __all__ = ["RowSubset", "SequenceStep", "StepBatch"]

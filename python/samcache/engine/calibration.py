@@ -14,30 +14,29 @@ serving path.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from samcache import ops
-from samcache.block_pool import BlockPool
+from samcache.block_pool import BlockPool, slot_ids
+from samcache.engine.api import SAMcacheEngine
 from samcache.engine.executor import Executor, RequestOptions
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import user_message
 from samcache.engine.runner import ModelRunner
 from samcache.eval.fidelity import reference_prefill
 from samcache.hashing import Namespace
-from samcache.recompute import SensitivityCurves, plan_recompute, probe_layer_sensitivity
-from samcache.recompute.selection import ReusedSpan
-from samcache.reuse import RecomputeBudget
+from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
+from samcache.recompute.budget import check_probe_rates, tokens_per_layer
 from samcache.stores import ImageKVStore, TensorStore
 
 
 class Calibrator:
     """Probes each layer's sensitivity for the model of ``engine`` (a :class:`SAMcacheEngine`)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: SAMcacheEngine) -> None:
+        if not isinstance(engine, SAMcacheEngine):
+            raise TypeError(f"engine must be a SAMcacheEngine, got {type(engine).__name__}")
         self.engine = engine
 
     def _executor(self, tokens: int) -> Executor:
@@ -54,7 +53,10 @@ class Calibrator:
         from samcache.engine.synthetic import screenshot
 
         engine = self.engine
+        rates = check_probe_rates(rates)  # before any of the L x R forward passes
         images = list(images) if images is not None else [screenshot(101, (224, 320)), screenshot(102, (224, 320))]
+        if not images:
+            raise ValueError("calibration needs at least one image (or images=None for two synthetic screenshots)")
         ns = Namespace(engine.model_id, "samcache/calibration")
         prime = engine.build_prompt([{"role": "system", "content": "Calibration."}, user_message(images, "Describe.")])
         target = engine.build_prompt([
@@ -66,34 +68,31 @@ class Calibrator:
         r = ex.runner
         try:
             # The first showing: its images' KV is kept (held in the calibrator's pool).
-            pre = ex.prepare(prime, ns, RequestOptions(use_prefix=False, register_prefix=False))
-            ex.forward([pre.step])
+            pre, _ = ex.prefill(prime, ns, RequestOptions(use_prefix=False, register_prefix=False))
             ex.register(pre)
             ex.pool.free_sequence(pre.seq)
-            options = RequestOptions(use_prefix=False, register_prefix=False, store_images=False,
-                                     budget=RecomputeBudget.none(r.num_layers))
+            # The reused turn with the engine's recompute policy at rate 0: nothing recomputed.
+            budget = engine.recompute_budget_for((0.0,) * r.num_layers)
+            options = RequestOptions(use_prefix=False, register_prefix=False, store_images=False, budget=budget)
             probe = ex.prepare(target, ns, options)
             try:
                 if probe.metrics.image_kv_hits != len(target.images):  # else every "reused" turn is exact: loss 0
                     raise ValueError(f"calibration could reuse {probe.metrics.image_kv_hits} of its "
                                      f"{len(target.images)} images: raise its KV space or use smaller images")
-                spans = [ReusedSpan(s.start, s.length) for s in probe.plan.spliced]
-                reused = int(sum(s.length for s in spans))
                 # The order the served plan uses: relevance scores from the reused turn itself.
                 scores = ex.relevance(target, probe.plan, ex.pool.block_table(probe.seq), probe.vit) \
-                    if engine.recompute_tracks == "both" else None
+                    if budget.wants_scores else None
             finally:
                 ex.pool.free_sequence(probe.seq)
-            order = plan_recompute(spans, [reused], scores, head_fraction=engine.head_fraction,
-                                   track2_share=engine.track2_share, tracks=engine.recompute_tracks).order
+            order = budget.order(probe.plan.reused_spans, [probe.plan.image_reused_tokens], scores).order
             ref, ref_logits = reference_prefill(ex, target, engine.model_id, ns)
             try:
-                exact_k, exact_v = r.gather_kv(r.slots_for(ex.pool.block_table(ref.seq), order))
+                exact_k, exact_v = r.gather_kv(slot_ids(ex.pool.block_table(ref.seq), order, r.block_size))
             finally:
                 ex.pool.free_sequence(ref.seq)
 
             def measure(layer: int, rate: float) -> float:
-                k = math.ceil(rate * order.size - 1e-9)
+                k = tokens_per_layer([rate], order.size)[0]
                 run = ex.prepare(target, ns, options)
                 try:
                     if k:  # this layer only: the exact KV of the first k tokens of the order
@@ -105,8 +104,7 @@ class Calibrator:
                     ex.pool.free_sequence(run.seq)
                 return next_token_fidelity(ref_logits, logits)[0]
 
-            return probe_layer_sensitivity(measure, r.num_layers, np.asarray(rates, dtype=np.float64),
-                                           progress=progress)
+            return probe_layer_sensitivity(measure, r.num_layers, rates, progress=progress)
         finally:
             ex.image_kv_store.clear()
 

@@ -23,13 +23,13 @@ consistent; the other requests of a batch are not affected by one request's fail
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from samcache.block_pool import BlockPool
+from samcache.block_pool import BlockPool, slot_ids
 from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
@@ -37,7 +37,6 @@ from samcache.engine.runner import ModelRunner
 from samcache.errors import PromptTooLong
 from samcache.hashing import Namespace
 from samcache.recompute import attention_relevance, span_positions
-from samcache.recompute.selection import ReusedSpan
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
 from samcache.stores import HeldImage, ImageKVStore, TensorStore
 
@@ -52,9 +51,10 @@ class RequestOptions:
     ``use_prefix`` / ``use_image_kv``: adopt the exact prefix / splice known images' KV.
     ``register_prefix``: hash this prompt's exact blocks (and its decode tokens) into the prefix
     cache. ``approximate_prefix``: adopt and register blocks whatever their KV came from, in a
-    prefix-cache space of their own (exact-only requests never see them). ``store_images``: keep new images' KV for later turns. ``budget``: the recompute budget
-    of spliced tokens (None: none). ``vit_namespace``: where ViT outputs are looked up (default:
-    the request's namespace); ``store_vit``: keep new ViT outputs there.
+    prefix-cache space of their own (exact-only requests never see them). ``store_images``: keep
+    new images' KV for later turns. ``budget``: the recompute budget of spliced tokens (None:
+    none). ``use_vit``: look ViT outputs up in the ViT cache, in ``vit_namespace`` (default: the
+    request's namespace); ``store_vit``: keep new ViT outputs there.
     """
 
     use_prefix: bool = True
@@ -63,8 +63,20 @@ class RequestOptions:
     approximate_prefix: bool = False
     store_images: bool = True
     budget: RecomputeBudget | None = None
+    use_vit: bool = True
     vit_namespace: Namespace | None = None
     store_vit: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
+                     "use_vit", "store_vit"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"RequestOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.budget is not None and not isinstance(self.budget, RecomputeBudget):
+            raise TypeError(f"RequestOptions.budget must be a RecomputeBudget or None, got {type(self.budget).__name__}")
+        if self.vit_namespace is not None and not isinstance(self.vit_namespace, Namespace):
+            raise TypeError(f"RequestOptions.vit_namespace must be a Namespace or None, got "
+                            f"{type(self.vit_namespace).__name__}")
 
 
 @dataclass
@@ -87,13 +99,12 @@ class Executor:
     prefix cache) and the stores (ViT outputs, image KV)."""
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
-                 image_kv_store: ImageKVStore, use_vit_cache: bool = True) -> None:
+                 image_kv_store: ImageKVStore) -> None:
         self.runner = runner
         self.pool = pool
         self.processor = processor
         self.vit_store = vit_store
         self.image_kv_store = image_kv_store
-        self.use_vit_cache = use_vit_cache
 
     # ---- stage 1 -------------------------------------------------------------------------------
     def layout(self, prompt: Prompt, namespace: Namespace) -> PromptLayout:
@@ -140,17 +151,19 @@ class Executor:
             self._allocate(seq, prompt, adopted, plan, options)
             hashed = options.register_prefix and (options.approximate_prefix or plan.exact_tokens > adopted)
             table = pool.block_table(seq)
-            for span in plan.spliced:
-                h = held[layout.images[span.image].key]
-                runner.splice(self.image_kv_store.slots(h, span.offset, span.length),
-                              runner.slots_for(table, np.arange(span.start, span.end)), span.delta)
+            if plan.spliced:  # every known image's KV, re-rotated into place, in one call
+                src = [self.image_kv_store.slots(held[layout.images[s.image].key], s.offset, s.length)
+                       for s in plan.spliced]
+                dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in plan.spliced]
+                deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in plan.spliced])
+                runner.splice(np.concatenate(src), np.concatenate(dst), deltas)
             # ViT outputs: images with new tokens, and (when some of their tokens may be recomputed)
             # the spliced ones; one batched vision-tower call for all misses.
             wanted = set(plan.vit_images)
             if plan.recompute is not None:
                 wanted |= {s.image for s in plan.spliced}
             vit: dict[int, tuple] = {}
-            self.ensure_vit(prompt, sorted(wanted), vit, m, options.vit_namespace or namespace, options.store_vit)
+            self.ensure_vit(prompt, sorted(wanted), vit, m, options, namespace)
             if plan.needs_scores:
                 plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
             step = self.sequence_step(prompt, plan, table, vit)
@@ -186,17 +199,19 @@ class Executor:
             self.runner.copy_on_write(res.copies)
 
     def ensure_vit(self, prompt: Prompt, image_indices: Sequence[int], vit: dict, m: TurnMetrics,
-                   namespace: Namespace, store: bool) -> None:
-        """ViT outputs of these images (from the cache, else one batched vision-tower call); ``store``
-        keeps new ones in the cache (keyed by tenant too: a hit would tell one tenant, through its
-        TTFT and metrics, that another has sent this image)."""
+                   options: RequestOptions, namespace: Namespace | None = None) -> None:
+        """ViT outputs of these images: from the ViT cache (``options.use_vit``, in
+        ``options.vit_namespace`` or ``namespace``), else one batched vision-tower call, whose
+        outputs ``options.store_vit`` keeps (keyed by tenant too: a hit would tell one tenant,
+        through its TTFT and metrics, that another has sent this image)."""
+        namespace = options.vit_namespace or namespace
         missing = []
         for i in image_indices:
             if i in vit:
                 continue
             span = prompt.images[i]
             hit = (self.vit_store.get(namespace.key(span.image.content), check=span.image.grid)
-                   if self.use_vit_cache else None)
+                   if options.use_vit else None)
             if hit is not None:
                 vit[i] = hit
                 m.vit_hits += 1
@@ -214,7 +229,7 @@ class Executor:
                 raise RuntimeError(f"vision tower returned {tuple(out[0].shape)} for an image of {span.length} tokens")
             vit[i] = out
             m.vit_calls += 1
-            if self.use_vit_cache and store:
+            if options.use_vit and options.store_vit:
                 self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
 
     def _image_rows(self, prompt: Prompt, index: np.ndarray):
@@ -238,12 +253,12 @@ class Executor:
         reused tokens is exact after re-rotation) on every reused token."""
         scores = np.zeros(len(prompt), dtype=np.float64)
         queries = plan.new_rows[-_RELEVANCE_QUERIES:]
-        reused = span_positions([ReusedSpan(s.start, s.length) for s in plan.spliced])
+        reused = span_positions(plan.reused_spans)
         if not queries.size or not reused.size:
             return scores
         r = self.runner
         q = r.layer0_queries(self.embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
-        keys = r.layer_keys(0, r.slots_for(table, reused))
+        keys = r.layer_keys(0, slot_ids(table, reused, self.pool.block_size))
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
         return scores
 
@@ -254,7 +269,7 @@ class Executor:
             block_table=table, num_kv_tokens=len(prompt),
             layer_rows=None if all(r.size == rows.size for r in plan.layer_rows) else list(plan.layer_rows),
         )
-        if self.runner.family.deepstack and self.runner.deepstack_layers:
+        if self.runner.deepstack_layers:
             ds_rows = np.full(rows.size, -1, dtype=np.int64)
             feats: list[list[torch.Tensor]] = [[] for _ in range(self.runner.deepstack_layers)]
             count = 0
@@ -272,8 +287,28 @@ class Executor:
     def forward(self, steps: Sequence[SequenceStep]) -> torch.Tensor:
         """One forward step over these sequences: logits [len(steps), vocab] of their last rows."""
         r = self.runner
-        batch = StepBatch.build(list(steps), num_layers=r.num_layers, block_size=self.pool.block_size, device=r.device)
+        steps = list(steps)
+        decoding = [i for i, s in enumerate(steps) if s.embeds is None]
+        if decoding:  # decode rows give token ids: one embedding call for all of them
+            ids = np.concatenate([steps[i].token_ids for i in decoding]).astype(np.int64)
+            embeds = r.embed_tokens(torch.from_numpy(ids))
+            at = 0
+            for i in decoding:
+                n = steps[i].token_ids.size
+                steps[i] = replace(steps[i], embeds=embeds[at: at + n])
+                at += n
+        batch = StepBatch.build(steps, num_layers=r.num_layers, block_size=self.pool.block_size, device=r.device)
         return r.forward(batch)
+
+    def prefill(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> tuple[Prepared, torch.Tensor]:
+        """Stages 1 and 2 of one request, nothing registered: its prepared sequence (the caller
+        frees ``prepared.seq``) and next-token logits. A failed forward step drops the sequence."""
+        pre = self.prepare(prompt, namespace, options)
+        try:
+            return pre, self.forward([pre.step])[0]
+        except BaseException:
+            self.discard_prepared(pre)
+            raise
 
     # ---- stage 3 -------------------------------------------------------------------------------
     def register(self, pre: Prepared) -> None:
@@ -296,11 +331,15 @@ class Executor:
         res = pool.append_tokens(seq, [token]) if hashed else pool.append_slots(seq, 1)
         r.copy_on_write(res.copies)
         n = pool.num_tokens(seq)
-        return SequenceStep(rows=np.array([n - 1]), embeds=r.embed_tokens(torch.tensor([token])),
+        return SequenceStep(rows=np.array([n - 1]), embeds=None, token_ids=np.array([token]),
                             positions=torch.full((3, 1), position, dtype=torch.int64),
                             block_table=pool.block_table(seq), num_kv_tokens=n)
 
     # ---- failures --------------------------------------------------------------------------------
+    def discard_prepared(self, pre: Prepared) -> None:
+        """Drop a prepared request whose forward step did not complete (its adopted prefix stays)."""
+        self.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.pool.block_size, hashed=pre.hashed)
+
     def discard(self, seq: int, *, table_from: int, hashed: bool) -> None:
         """Drop a sequence whose KV may be incomplete, so no later request adopts its blocks from
         block ``table_from`` on."""

@@ -3,8 +3,8 @@ the tiny-model builders.
 
 The runner's layer loop is the same for every family; a ``Family`` records the few places where
 the architectures differ: the transformers classes, the M-RoPE layout (which the RoPE
-re-rotation must match), QK-norm in attention, DeepStack visual features added to early layers,
-and MoE MLPs.
+re-rotation must match), QK-norm in attention and DeepStack visual features added to early
+layers (MoE MLPs need no entry: the runner sees them per layer).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ class Family:
     rope_style: str  # samcache.ops.rope style of the text model's M-RoPE
     qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
     deepstack: bool  # vision features added to the first text layers' hidden states (Qwen3-VL)
-    moe: bool  # mixture-of-experts MLPs (router logits)
 
     def model_class(self):
         """The transformers class holding this family's weights."""
@@ -37,9 +36,9 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "mrope",
-               qk_norm=False, deepstack=False, moe=False),
+               qk_norm=False, deepstack=False),
         Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor", "mrope_interleaved",
-               qk_norm=True, deepstack=True, moe=True),
+               qk_norm=True, deepstack=True),
     )
 }
 

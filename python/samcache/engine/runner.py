@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from samcache import ops
+from samcache.block_pool import slot_ids
 from samcache.engine.batch import StepBatch
 from samcache.engine.families import Family
 from samcache.engine.linear import linear
@@ -71,8 +72,13 @@ class ModelRunner:
         if model is None:
             model = family.model_class().from_pretrained(str(model_path), dtype=dtype)
             model.to(device).eval().requires_grad_(False)
-        elif type(model).__name__ != family.architecture or next(model.parameters()).dtype != dtype:
-            raise ValueError(f"a shared model must be a {family.architecture} in {dtype}")
+        else:
+            weights = next(model.parameters())
+            same_device = weights.device.type == device.type and (device.index is None or
+                                                                  weights.device.index == device.index)
+            if type(model).__name__ != family.architecture or weights.dtype != dtype or not same_device:
+                raise ValueError(f"a shared model must be a {family.architecture} in {dtype} on {device}, got a "
+                                 f"{type(model).__name__} in {weights.dtype} on {weights.device}")
         self.model = model
         self.config = model.config
         self.text = model.model.language_model
@@ -101,7 +107,10 @@ class ModelRunner:
                          for l in self.layers]
         self.block_size = block_size
         if num_blocks is None:
-            num_blocks = max(1, kv_cache_bytes // (self.kv_bytes_per_token * block_size))
+            num_blocks = kv_cache_bytes // self.block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no KV block: one block of {block_size} "
+                                 f"tokens takes {self.block_bytes} bytes")
         self.num_blocks = num_blocks
         shape = (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         # One tensor per K/V for all layers: layer l's cache is the contiguous view [l], and an image's
@@ -205,14 +214,10 @@ class ModelRunner:
         return linear(last, self.lm_head.weight, self.lm_head.bias).float()
 
     # ---- the paged caches of all layers ---------------------------------------------------------
-    def slots_for(self, block_table: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """KV slot ids of sequence positions ``index`` for a sequence with ``block_table``."""
-        index = np.asarray(index, dtype=np.int64)
-        return block_table.astype(np.int64)[index // self.block_size] * self.block_size + index % self.block_size
-
     def slot_tensor(self, block_table: np.ndarray, index: np.ndarray) -> torch.Tensor:
-        """``slots_for`` as an int64 tensor on the caches' device."""
-        return torch.from_numpy(self.slots_for(block_table, index)).to(self.device)
+        """KV slot ids of sequence positions ``index`` (``block_pool.slot_ids``) as an int64
+        tensor on the caches' device."""
+        return torch.from_numpy(slot_ids(block_table, index, self.block_size)).to(self.device)
 
     def copy_on_write(self, copies: np.ndarray) -> None:
         """Perform the pool's (src, dst) block copies in every layer's K and V cache."""
@@ -239,16 +244,9 @@ class ModelRunner:
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: np.ndarray | torch.Tensor) -> None:
-        """Write K/V [layers, n, kv_heads, head_dim] at these slots of every layer."""
-        flat = self._all_layers(torch.as_tensor(slots, dtype=torch.int64, device=self.device))
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(shape).index_copy_(0, flat, k.reshape(shape))
-        self.v_cache.view(shape).index_copy_(0, flat, v.reshape(shape))
-
-    def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, delta: int) -> None:
-        """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer, the keys re-rotated by
-        ``delta`` M-RoPE positions (all three axes), in one fused call for all layers."""
+    def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
+        """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer, each key re-rotated by its
+        ``deltas`` entry of M-RoPE positions (all three axes), in one fused call for all layers."""
         n = len(src_slots)
         if not n:
             return
@@ -256,7 +254,8 @@ class ModelRunner:
         dst = self._all_layers(torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device))
         shape = (-1, self.num_kv_heads, self.head_dim)
         keys = self.k_cache.view(shape).index_select(0, src)  # a copy: the op refuses views of its cache
-        deltas = torch.full((3, keys.shape[0]), int(delta), dtype=torch.int64, device=self.device)
+        per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64), device=self.device).repeat(self.num_layers)
+        deltas = per_row.expand(3, -1).contiguous()  # the same shift on all three M-RoPE axes
         flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         ops.rope_rerotate_write(keys, deltas, self.inv_freq, self.family.rope_style, self.mrope_section, flat_k, dst)
         values = self.v_cache.view(shape)

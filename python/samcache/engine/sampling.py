@@ -22,8 +22,12 @@ class Sampler:
         self.top_p = float(top_p)
         self.generator = torch.Generator().manual_seed(int(seed))  # sampling runs on the CPU (see __call__)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
     def __call__(self, logits: torch.Tensor) -> int:
-        if self.temperature == 0.0:
+        if self.greedy:
             return int(logits.argmax())
         probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         if self.top_p < 1.0:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from samcache._checks import check_int
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.prompt import Prompt
 from samcache.engine.sampling import Sampler
@@ -40,21 +41,31 @@ class Admission:
     keep_prefill: bool = False
     arrival: float = field(default_factory=time.perf_counter)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, Prompt):
+            raise TypeError(f"Admission.prompt must be a Prompt, got {type(self.prompt).__name__}")
+        if not isinstance(self.namespace, Namespace):
+            raise TypeError(f"Admission.namespace must be a Namespace, got {type(self.namespace).__name__}")
+        if not isinstance(self.options, RequestOptions):
+            raise TypeError(f"Admission.options must be RequestOptions, got {type(self.options).__name__}")
+        if not isinstance(self.sampler, Sampler):
+            raise TypeError(f"Admission.sampler must be a Sampler, got {type(self.sampler).__name__}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+
 
 @dataclass
 class Finished:
-    admission: Admission
     prepared: Prepared  # plan, metrics, ViT outputs (its sequence is freed)
-    first_logits: torch.Tensor
     tokens: list[int]
     finish_reason: str  # "stop" (an end token) or "length"
-    fork: int | None = None
+    first_logits: torch.Tensor | None = None  # with keep_prefill: the prefill's next-token logits
+    fork: int | None = None  # with keep_prefill: a fork of the prefilled sequence (the caller frees it)
 
 
 @dataclass
 class _Running:
     prepared: Prepared
-    first_logits: torch.Tensor
+    first_logits: torch.Tensor | None
     tokens: list[int]
     decode_start: float
     fork: int | None
@@ -64,7 +75,7 @@ class Scheduler:
     def __init__(self, executor: Executor, eos_token_ids: set[int], *, max_step_tokens: int = 16384) -> None:
         self.executor = executor
         self.eos_token_ids = set(eos_token_ids)
-        self.max_step_tokens = max_step_tokens
+        self.max_step_tokens = check_int("max_step_tokens", max_step_tokens, 1)
 
     def run(self, admissions: Sequence[Admission]) -> list[Finished | Exception]:
         """Serve every admission; each result is its :class:`Finished` or the exception it failed with."""
@@ -109,27 +120,30 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - every request of the step fails; the queue goes on
                     for i in owners:
                         if i in prefilling:
-                            self._drop_prepared(prefilling.pop(i))
+                            ex.discard_prepared(prefilling.pop(i))
                         else:
                             self._drop(running.pop(i), admissions[i])
                         results[i] = e
                     continue
                 now = time.perf_counter()
+                # Greedy rows: one argmax over the step's logits (one device sync for all of them).
+                greedy = logits.argmax(-1).tolist() if any(admissions[i].sampler.greedy for i in owners) else None
                 for row, i in enumerate(owners):
                     adm = admissions[i]
                     try:
-                        token = adm.sampler(logits[row])
+                        token = greedy[row] if adm.sampler.greedy else adm.sampler(logits[row])
                         if i in prefilling:
                             pre = prefilling.pop(i)
                             pre.metrics.ttft_s = now - adm.arrival
-                            fork = ex.pool.fork(pre.seq) if adm.keep_prefill else None
-                            running[i] = _Running(pre, logits[row], [token], now, fork)
+                            keep = adm.keep_prefill  # else no view of the step's logits outlives the step
+                            fork = ex.pool.fork(pre.seq) if keep else None
+                            running[i] = _Running(pre, logits[row].clone() if keep else None, [token], now, fork)
                             ex.register(pre)
                         else:
                             running[i].tokens.append(token)
                     except Exception as e:  # noqa: BLE001
                         if i in prefilling:
-                            self._drop_prepared(prefilling.pop(i))
+                            ex.discard_prepared(prefilling.pop(i))
                         elif i in running:
                             self._drop(running.pop(i), adm)
                         results[i] = e
@@ -139,7 +153,7 @@ class Scheduler:
                         results[i] = self._finish(running.pop(i), adm, now, token)
         except BaseException:
             for pre in prefilling.values():
-                self._drop_prepared(pre)
+                ex.discard_prepared(pre)
             for i, st in running.items():
                 self._drop(st, admissions[i])
             raise
@@ -159,11 +173,7 @@ class Scheduler:
         m.latency_s = time.perf_counter() - adm.arrival
         ex.pool.free_sequence(pre.seq)
         reason = "stop" if last in self.eos_token_ids else "length"
-        return Finished(adm, pre, st.first_logits, st.tokens, reason, st.fork)
-
-    def _drop_prepared(self, pre: Prepared) -> None:
-        self.executor.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.executor.pool.block_size,
-                              hashed=pre.hashed)
+        return Finished(pre, st.tokens, reason, st.first_logits, st.fork)
 
     def _drop(self, st: _Running, adm: Admission) -> None:
         """A request that failed after its prefill: the prompt's blocks stay valid, its decode

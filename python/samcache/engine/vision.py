@@ -18,6 +18,7 @@ plug point) and sets it on the vision config, then restores the previous value.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -53,21 +54,27 @@ def _attention(module, query, key, value, attention_mask=None, scaling=None, dro
     return out[None], None
 
 
+_SWITCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def fast_vision(visual: torch.nn.Module):
     """Inside the block, ``visual``'s linear layers run through oneDNN and its long attention
     through samcache's kernel (see the module docstring)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    config = visual.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        with onednn_linears(visual):
-            yield visual
-    finally:
-        config._attn_implementation = previous
+    # One block at a time: engines sharing weights (share_weights_with) may encode from several
+    # threads, and the switch below is on the shared module.
+    with _SWITCH_LOCK:
+        AttentionInterface.register(ATTENTION_NAME, _attention)
+        config = visual.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTENTION_NAME
+        try:
+            with onednn_linears(visual):
+                yield visual
+        finally:
+            config._attn_implementation = previous
 
 
 __all__ = ["ATTENTION_NAME", "fast_vision"]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from samcache.engine.executor import Executor, Prepared, RequestOptions
+from samcache._checks import check_int
 from samcache.engine.metrics import Fidelity, greedy_agreement, next_token_fidelity
 from samcache.engine.prompt import Prompt
 from samcache.errors import OutOfBlocks, PromptTooLong
@@ -29,18 +30,16 @@ def reference_prefill(executor: Executor, prompt: Prompt, model_id: str,
     ``prepared.seq``."""
     options = RequestOptions(use_prefix=False, use_image_kv=False, register_prefix=False, store_images=False,
                              budget=None, vit_namespace=vit_namespace, store_vit=False)
-    pre = executor.prepare(prompt, Namespace(model_id, REFERENCE_TENANT), options)
-    try:
-        logits = executor.forward([pre.step])[0]
-    except BaseException:
-        executor.discard(pre.seq, table_from=0, hashed=False)
-        raise
-    return pre, logits
+    return executor.prefill(prompt, Namespace(model_id, REFERENCE_TENANT), options)
 
 
 def greedy_decode(executor: Executor, seqs: Sequence[int], first: Sequence[int], position: int,
                   n_tokens: int) -> list[list[int]]:
-    """Greedy tokens from ``first[i]`` on for each sequence (none hashed), batched per step."""
+    """Greedy tokens from ``first[i]`` on for each sequence (none hashed), batched per step:
+    ``n_tokens`` per sequence, ``first`` included."""
+    check_int("n_tokens", n_tokens, 1)
+    if len(seqs) != len(first):
+        raise ValueError(f"one first token per sequence: {len(seqs)} sequences, {len(first)} tokens")
     tokens = [[t] for t in first]
     for step in range(n_tokens - 1):
         steps = [executor.decode_step(seq, toks[-1], position + step, hashed=False) for seq, toks in zip(seqs, tokens)]
@@ -55,6 +54,7 @@ def measure_fidelity(executor: Executor, prompt: Prompt, logits: torch.Tensor, f
     """The turn (next-token ``logits``, its prefill KV kept in ``fork``, which this frees) against
     a full prefill. None, with a warning, when the reference does not fit the pool."""
     try:
+        check_int("n_tokens", n_tokens, 1)
         ref, ref_logits = reference_prefill(executor, prompt, model_id, vit_namespace)
     except (PromptTooLong, OutOfBlocks) as e:
         executor.pool.free_sequence(fork)

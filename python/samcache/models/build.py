@@ -68,6 +68,7 @@ import pathlib
 from typing import Any
 
 from samcache.engine.families import FAMILIES as _REGISTRY
+from samcache.engine.families import get_family
 from samcache.engine.loading import load_processor  # noqa: F401  (re-exported: builders load what they wrote)
 from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
 
@@ -208,36 +209,28 @@ _QWEN3_VL_CHAT_TEMPLATE = _CHAT_COUNTERS + "{% for message in messages %}" + _CH
 
 
 def _classes(family: str):
-    """(top config, text config, vision config, model, processor class, chat template)."""
+    """(top config, text config, vision config, model, processor class, chat template); the model
+    and processor classes are the registry's."""
+    import transformers
+
+    registered = get_family(family)
     if family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+        from transformers import Qwen2_5_VLConfig
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
             Qwen2_5_VLTextConfig,
             Qwen2_5_VLVisionConfig,
         )
 
-        return (
-            Qwen2_5_VLConfig,
-            Qwen2_5_VLTextConfig,
-            Qwen2_5_VLVisionConfig,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2_5_VLProcessor,
-            _QWEN2_5_VL_CHAT_TEMPLATE,
+        configs, template = (Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig), _QWEN2_5_VL_CHAT_TEMPLATE
+    else:
+        from transformers import Qwen3VLMoeConfig
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeTextConfig,
+            Qwen3VLMoeVisionConfig,
         )
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
-        Qwen3VLMoeTextConfig,
-        Qwen3VLMoeVisionConfig,
-    )
 
-    return (
-        Qwen3VLMoeConfig,
-        Qwen3VLMoeTextConfig,
-        Qwen3VLMoeVisionConfig,
-        Qwen3VLMoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        _QWEN3_VL_CHAT_TEMPLATE,
-    )
+        configs, template = (Qwen3VLMoeConfig, Qwen3VLMoeTextConfig, Qwen3VLMoeVisionConfig), _QWEN3_VL_CHAT_TEMPLATE
+    return (*configs, registered.model_class(), getattr(transformers, registered.processor_class), template)
 
 
 def _own_fields(cls) -> set[str]:
@@ -252,18 +245,13 @@ def _fixed_id(key: str) -> int | list[int]:
     return {**_TOKEN_IDS, "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}[key]
 
 
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-
-
 def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
     """The settings ``build_tiny_model(family, ..., **overrides)`` would use, checked.
 
     Returns ``{"text": ..., "vision": ..., "top": ..., "processor": ...}`` with derived values
     filled in. Raises ``ValueError`` for an unknown family, an unknown key or inconsistent values.
     """
-    _check_family(family)
+    get_family(family)  # a clear error for an unknown family
     top_cls, text_cls, vision_cls, *_ = _classes(family)
     spec = copy.deepcopy(DEFAULTS[family])
     text_keys = _own_fields(text_cls) | {"rope_theta", "mrope_section"}
@@ -445,7 +433,7 @@ def build_tiny_model(family: str, out_dir, *, seed: int = 0, **overrides) -> pat
     byte-identical ``model.safetensors``); ``overrides`` change config fields (see the module
     docstring). Existing files of the same names in ``out_dir`` are replaced.
     """
-    _check_family(family)
+    get_family(family)  # a clear error for an unknown family
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     spec = resolve_config(family, **overrides)
