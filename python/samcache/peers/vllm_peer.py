@@ -56,7 +56,7 @@ def main(request_path: str, result_path: str) -> int:
         out = llm.chat(messages(turn), first, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t0
         turns.append({"ttft_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
-                      "cached_tokens": int(out.num_cached_tokens or 0), "first_token": out.outputs[0].token_ids[0]})
+                      "cached_tokens": int(out.num_cached_tokens or 0)})
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump({"vllm_version": vllm.__version__, "startup_s": startup, "turns": turns}, f)
     return 0
