@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv vllm-env sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
+.PHONY: test demo install venv vllm-env vllm-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -34,7 +34,21 @@ vllm-env: .venv-vllm/.ready
 	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec
 	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt \
+	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
 	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# samcache installed into vLLM's environment the way a vLLM user installs it (with its
+# dependencies; vLLM finds the plugin through its `vllm.general_plugins` entry point). Editable,
+# with its own build tree: the extension is built against that environment's torch.
+VLLM_PLUGIN_SOURCES := pyproject.toml CMakeLists.txt $(shell find cpp -name '*.cpp' -o -name '*.h' 2>/dev/null)
+vllm-plugin: .venv-vllm/.samcache
+.venv-vllm/.samcache: .venv-vllm/.ready $(VLLM_PLUGIN_SOURCES) | sysdeps
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-build-isolation -c .venv-vllm/constraints.txt \
+	  -e . -Cbuild-dir=build/vllm-env -Cbuild.verbose=false
+	$(VLLM_PY) -c "from importlib.metadata import entry_points as e; \
+	  assert any(p.value.startswith('samcache.') for p in e(group='vllm.general_plugins')), 'plugin not registered'"
 	touch $@
 
 # A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
@@ -76,8 +90,10 @@ ctest: install
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
 # SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
-pytest: install vllm-env
-	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests
+pytest: install vllm-env vllm-plugin
+	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests --ignore=tests/vllm_plugin
+	@# samcache's vLLM plugin, end to end through the real vLLM: in vLLM's environment
+	$(VLLM_PY) -m pytest -q tests/vllm_plugin
 
 test: cuda-check ctest pytest
 

@@ -62,3 +62,24 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+def test_bench_engine_vllm_runs_vanilla_vllm_against_vllm_with_samcaches_plugin(tiny_checkpoints, vllm_python, tmp_path):
+    """`samcache bench --engine vllm`: the same trace through vanilla vLLM and through vLLM with the
+    plugin; the plugin's turns carry its counters and their fidelity against vanilla vLLM."""
+    model = tiny_checkpoints["qwen2_5_vl"]
+    trace = make_trace("gui", turns=4, window=2, size=(112, 168), max_new_tokens=2)
+    res = run_benchmark(trace, model, modes=["vllm", "vllm-samcache"], fidelity=True, calibrate=False, progress=False,
+                        threads=1, vllm_python=vllm_python, peer_log_dir=tmp_path)
+    by = {r["name"]: r for r in res["runs"]}
+    vanilla, plugin = by["vllm"], by["vllm-samcache"]
+    assert plugin["peer"]["engine"].endswith("+ samcache plugin") and "samcache" not in vanilla["peer"]["engine"]
+    assert [t["prompt_tokens"] for t in plugin["turns"]] == [t["prompt_tokens"] for t in vanilla["turns"]]
+    # the window slides: from turn 2 on, the screenshot kept from the last turn moves and is reused
+    reused = [t["image_reused_tokens"] for t in plugin["turns"]]
+    assert reused[0] == 0 and all(r > 0 for r in reused[2:]), reused
+    assert plugin["summary"]["computed_tokens"] < vanilla["summary"]["computed_tokens"]
+    fid = [t["fidelity"] for t in plugin["turns"]]
+    assert fid[0]["kl"] < 1e-9 and fid[0]["top1_agree"]  # turn 0 reuses nothing: vLLM's own numbers
+    assert all(0 <= f["kl"] < 0.1 for f in fid) and plugin["summary"]["fidelity"] is not None
+    assert all("first_logprobs" not in t for t in vanilla["turns"] + plugin["turns"])  # not in results.json

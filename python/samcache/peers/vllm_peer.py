@@ -11,11 +11,17 @@ decoded before any timing (samcache's modes get decoded arrays too). Each turn i
 with ``max_tokens=1`` (temperature 0): its wall time is request -> first token (chat template,
 image processing, encoder, prefill, sampling), as samcache's TTFT. RESULT holds, per turn, that
 time, the prompt length and how many prompt tokens vLLM's prefix cache supplied.
+
+With ``"samcache": {...}`` in REQUEST the run enables samcache's vLLM plugin (installed in this
+environment; vLLM loads it through its plugin entry point) with that ``kv_connector_extra_config``,
+and records the plugin's counters after every turn. ``"logprobs": true`` records every turn's
+first-token log-probabilities over the whole vocabulary (fidelity against another run).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -42,12 +48,25 @@ def main(request_path: str, result_path: str) -> int:
             out.append({"role": m["role"], "content": parts})
         return out
 
+    extra = {}
+    samcache = req.get("samcache")
+    metrics_path = os.path.join(os.path.dirname(os.path.abspath(result_path)), "samcache-metrics.json")
+    if samcache is not None:
+        from vllm.config import KVTransferConfig
+
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="SamcacheConnector", kv_role="kv_both",
+            kv_connector_extra_config={**samcache, "metrics_path": metrics_path})
+    logprobs = bool(req.get("logprobs"))
+    if logprobs:
+        extra["max_logprobs"] = -1
     start = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True, block_size=req["block_size"],
               max_model_len=req["max_model_len"], max_num_batched_tokens=req["max_model_len"],
-              limit_mm_per_prompt={"image": max(1, req["max_images"])}, enable_prefix_caching=True, seed=req["seed"])
+              limit_mm_per_prompt={"image": max(1, req["max_images"])}, enable_prefix_caching=True, seed=req["seed"],
+              **extra)
     startup = time.perf_counter() - start
-    first = SamplingParams(max_tokens=1, temperature=0.0)
+    first = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1 if logprobs else None)
     for warm in req.get("warmup", []):  # first-call costs out of the first measured turn
         llm.chat(messages(warm), first, use_tqdm=False)
     turns = []
@@ -55,8 +74,15 @@ def main(request_path: str, result_path: str) -> int:
         t0 = time.perf_counter()
         out = llm.chat(messages(turn), first, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t0
-        turns.append({"ttft_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
-                      "cached_tokens": int(out.num_cached_tokens or 0)})
+        record = {"ttft_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
+                  "cached_tokens": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)}
+        if logprobs:
+            first_token = out.outputs[0].logprobs[0]
+            record["first_logprobs"] = [first_token[i].logprob for i in sorted(first_token)]
+        if samcache is not None and os.path.exists(metrics_path):
+            with open(metrics_path, encoding="utf-8") as f:
+                record["samcache"] = json.load(f)
+        turns.append(record)
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump({"vllm_version": vllm.__version__, "startup_s": startup, "turns": turns}, f)
     return 0

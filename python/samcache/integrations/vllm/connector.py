@@ -1,0 +1,239 @@
+"""SamcacheConnector: samcache's reuse as a vLLM v1 KV connector.
+
+Enabled with ``--kv-transfer-config '{"kv_connector": "SamcacheConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {...}}'`` (:class:`~.config.SamcacheVllmConfig` lists the keys).
+
+- Scheduler side: tracks each request's blocks, images (vLLM identifiers = samcache content keys,
+  :mod:`.identity`) and tenant (its ``cache_salt``), and sends the workers, per step, the prompt
+  range scheduled for every request with whole images in it (:class:`~.step.RequestStep`). It
+  claims no external prefix tokens: vLLM's own prefix cache serves the exact prefix.
+- Worker side: holds the image-KV store (byte-bounded, least recently used first). At the start
+  of the model's forward (:mod:`.model`) it plans the step (:func:`~.step.plan_forward`), writes
+  the reused images' KV into vLLM's cache and tells the model which rows to compute; after every
+  attention layer it copies the new images' KV out (``save_kv_layer``) and stores them when the
+  step ends (``wait_for_save``).
+
+The plan is the worker's decision: an image the store no longer holds is computed as vLLM would,
+so the scheduler's view of the store never has to be exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+
+from samcache.integrations.vllm import metrics
+from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
+from samcache.integrations.vllm.identity import model_fingerprint
+from samcache.integrations.vllm.step import (ForwardStep, ImageKV, ImageRef, RequestStep, Rotary, layer_index,
+                                             plan_forward)
+from samcache.reuse import RecomputeBudget
+from samcache.stores import TensorStore
+
+logger = logging.getLogger("vllm.samcache")  # under vLLM's logger: its handlers and format
+
+
+def active_worker() -> "SamcacheConnector | None":
+    """This process's worker-side samcache connector: vLLM's own KV connector of the process when
+    it is samcache's (None: the plugin is not enabled in this engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    return connector if isinstance(connector, SamcacheConnector) and connector.role == KVConnectorRole.WORKER else None
+
+
+@dataclass
+class SamcacheMetadata(KVConnectorMetadata):
+    steps: list[RequestStep]
+
+
+@dataclass
+class _Tracked:
+    prompt_len: int
+    images: tuple[ImageRef, ...]
+    block_ids: list[int]
+    tenant: str
+
+
+class SamcacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = SamcacheVllmConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        check_engine_config(vllm_config)
+        self.model_id = model_fingerprint(vllm_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self._tracked: dict[str, _Tracked] = {}
+            self._tenants: dict[str, str] = {}
+            if vllm_config.scheduler_config.enable_chunked_prefill:
+                logger.info("samcache: chunked prefill is on; an image split by a chunk boundary is computed as "
+                            "vLLM computes it (not reused, not saved)")
+            return
+        self.store = TensorStore("vllm-image-kv", self.config.store_bytes)
+        self._cache: CacheLayout | None = None
+        self._num_layers = 0
+        self._rotary: Rotary | None = None
+        self._budget: RecomputeBudget | None = None
+        self._step: ForwardStep | None = None
+        logger.info("samcache: vLLM plugin on (recompute %s, store %.1f MiB)",
+                    list(self.config.recompute_rates) if self.config.recompute_rates else self.config.recompute_ratio,
+                    self.config.store_bytes / 2**20)
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._tenants[request.request_id] = request.cache_salt or self.config.tenant
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        steps: list[RequestStep] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            images = tuple(ImageRef(f.identifier, f.mm_position.offset, f.mm_position.length)
+                           for f in new.mm_features if f.modality == "image")
+            tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]),
+                               self._tenants.pop(new.req_id, self.config.tenant))
+            self._tracked[new.req_id] = tracked
+            self._add_step(steps, new.req_id, tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            self._add_step(steps, req_id, tracked, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        return SamcacheMetadata(steps=steps)
+
+    @staticmethod
+    def _add_step(steps: list[RequestStep], req_id: str, tracked: _Tracked, start: int, num: int) -> None:
+        end = min(start + num, tracked.prompt_len)
+        images = tuple(i for i in tracked.images if start < i.offset + i.length <= end)
+        if images and start + num <= tracked.prompt_len:  # prompt tokens only (no decode in the range)
+            steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._tenants.pop(request.request_id, None)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        self._layer_of = {name: layer_index(name) for name, _ in ordered}
+        self._cache = VllmCacheWriter([name for name, _ in ordered], [kv for _, kv in ordered])
+        self._num_layers = len(ordered)
+        metrics.set_gauges(num_layers=self._num_layers)
+        self._budget = RecomputeBudget(rates=self.config.layer_rates(self._num_layers),
+                                       head_fraction=self.config.head_fraction, relevance=False)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # the KV is written when the forward starts: it needs the step's M-RoPE positions
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def begin_forward(self, model: Any, positions: torch.Tensor) -> ForwardStep | None:
+        """Plan this forward pass (called by the model with its positions); the step, or None."""
+        self._step = None
+        if self._cache is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SamcacheMetadata) or not meta.steps:
+            return None
+        from vllm.forward_context import get_forward_context
+
+        attn = get_forward_context().attn_metadata
+        if not isinstance(attn, dict) or not attn:
+            return None
+        if self._rotary is None:
+            self._rotary = rotary_of(model)
+        first_layer = next(name for name, index in self._layer_of.items() if index == 0)
+        self._step = plan_forward(meta.steps, attn_metadata=attn.get(first_layer), positions=positions,
+                                  cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,
+                                  budget=self._budget, num_layers=self._num_layers)
+        return self._step
+
+    def layer_of(self, layer_name: str) -> int:
+        return self._layer_of[layer_name]
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the new images' KV was captured as the layer wrote it (ForwardStep.capture)
+
+    def capture_layer_kv(self, layer_name: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Called by the attention backend with the keys and values a layer writes to the cache."""
+        step = self._step
+        if step is not None and step.saves:
+            step.capture(self._layer_of[layer_name], keys, values)
+
+    def wait_for_save(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        before = self.store.stats.evictions
+        for save in step.saves:
+            if len(save.k) == self._num_layers:
+                self.store.put(save.key, ImageKV(torch.stack(save.k), torch.stack(save.v), save.positions),
+                               check=(save.rows.numel(),))
+        metrics.update(steps=1, **step.stats, store_evictions=self.store.stats.evictions - before)
+        metrics.set_gauges(store_bytes=self.store.index.used_bytes)
+        if self.config.metrics_path:
+            metrics.write(self.config.metrics_path)
+
+    def current_step(self) -> ForwardStep | None:
+        return self._step
+
+
+class VllmCacheWriter:
+    """Writes KV into vLLM's CPU paged cache with vLLM's own op and each layer's kernel ISA."""
+
+    def __init__(self, layer_names: list[str], kv_caches: list[torch.Tensor]) -> None:
+        self.layer_names = layer_names
+        self.kv_caches = kv_caches
+        self.block_size = int(kv_caches[0].shape[2])  # [blocks, kv heads, block_size, 2 * head_dim]
+        self._layers: list[Any] | None = None
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        if self._layers is None:
+            from vllm.forward_context import get_forward_context
+
+            modules = get_forward_context().no_compile_layers
+            self._layers = [modules[name] for name in self.layer_names]
+        attn = self._layers[layer]
+        kv = self.kv_caches[layer]
+        num_blocks, num_kv_heads, block_size, _ = kv.shape
+        key_cache, value_cache = kv.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, attn.isa,
+                                       k_scale=attn._k_scale_float, v_scale=attn._v_scale_float,
+                                       kv_cache_dtype=attn.kv_cache_dtype)
+
+
+def rotary_of(model: Any) -> Rotary:
+    """The inverse frequencies and M-RoPE sections of vLLM's Qwen2.5-VL language model."""
+    rope = model.language_model.model.layers[0].self_attn.rotary_emb
+    section = tuple(int(s) for s in (getattr(rope, "mrope_section", None) or ()))
+    if len(section) != 3 or not getattr(rope, "is_neox_style", True):
+        raise ValueError("samcache: the model's rotary embedding is not a rotate-half M-RoPE")
+    if getattr(rope, "scaling_factor", None) not in (None, 1, 1.0):
+        raise ValueError("samcache: M-RoPE with rope scaling is not supported by the vLLM plugin yet")
+    style = "mrope_interleaved" if getattr(rope, "mrope_interleaved", False) else "mrope"
+    inv_freq = rope._compute_inv_freq(rope.base).to(torch.float32)
+    if 2 * inv_freq.numel() != rope.rotary_dim or sum(section) != inv_freq.numel():
+        raise ValueError("samcache: the model's M-RoPE sections do not cover its rotary dimensions")
+    return Rotary(inv_freq.contiguous(), style, section)
+
+
+__all__ = ["SamcacheConnector", "SamcacheMetadata", "active_worker"]

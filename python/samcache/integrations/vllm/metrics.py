@@ -1,0 +1,75 @@
+"""The plugin's counters, kept by each worker process: what it reused, recomputed and saved.
+
+vLLM runs its workers in other processes than the caller's; ``metrics_path`` (extra config) makes
+the worker rewrite these counters as JSON after every step that reused or saved an image, and
+:func:`read_metrics` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class PluginMetrics:
+    steps: int = 0                 # forward passes with reuse or saves
+    scheduled_tokens: int = 0      # prompt tokens vLLM scheduled in those requests (it computes them all)
+    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
+    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
+    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
+    recomputed_token_layers: int = 0
+    images_reused: int = 0
+    images_saved: int = 0
+    images_missed: int = 0         # known-format images not in the store (then saved)
+    store_bytes: int = 0
+    store_evictions: int = 0
+    num_layers: int = 0            # decoder layers of the model (to weigh per-layer recompute)
+
+
+_lock = threading.Lock()
+_metrics = PluginMetrics()
+
+
+def metrics() -> PluginMetrics:
+    """This process's counters (a copy)."""
+    with _lock:
+        return PluginMetrics(**asdict(_metrics))
+
+
+def update(**deltas: int) -> None:
+    with _lock:
+        for name, value in deltas.items():
+            setattr(_metrics, name, getattr(_metrics, name) + int(value))
+
+
+def set_gauges(**values: int) -> None:
+    with _lock:
+        for name, value in values.items():
+            setattr(_metrics, name, int(value))
+
+
+def reset() -> None:
+    global _metrics
+    with _lock:
+        _metrics = PluginMetrics()
+
+
+def write(path: str) -> None:
+    """Atomically replace ``path`` with the counters as JSON."""
+    data = asdict(metrics())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str | os.PathLike) -> PluginMetrics:
+    """The counters a worker wrote to ``path`` (all zero if it has not written yet)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return PluginMetrics(**json.load(f))
+    except FileNotFoundError:
+        return PluginMetrics()

@@ -1,0 +1,294 @@
+"""One vLLM forward pass under the plugin: the reuse plans of its requests, executed on vLLM's cache.
+
+vLLM's scheduler counts every prompt token past its exact prefix as computed in this step (a KV
+connector can only extend the prefix). The plugin keeps that bookkeeping and changes the work:
+
+1. For every request whose scheduled tokens hold whole images, :func:`samcache.reuse.plan_reuse`
+   (the engine-independent planner) decides, from the images the store holds, which tokens take
+   cached KV and which rows each layer computes (new rows + the layer's recompute rows).
+2. The spliced images' keys are re-rotated from their cached M-RoPE positions to the new ones
+   (``rope_rerotate``, per-token deltas on all three M-RoPE axes) and written, with their values,
+   straight into vLLM's paged cache at the request's slots through vLLM's own cache op (its CPU
+   layout depends on the kernel ISA: keys are stored transposed inside a block for ``vec``).
+3. The model runs each layer on its rows only (:mod:`.model`); attention runs vLLM's own CPU kernel
+   over the whole cache, each contiguous run of computed rows being one causal query block
+   (:class:`AttentionBatch`): exact for those rows, whatever was skipped around them.
+4. Images computed in full this step and not yet stored have their per-layer keys and values
+   captured as each layer writes them to the cache (:meth:`ForwardStep.capture`), and are stored
+   when the step ends (the connector's ``wait_for_save``).
+
+Rows are found by slot, not by batch order: the scheduler side sends each request's block ids, and
+the request whose first scheduled token sits in the expected slot is that request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from samcache.errors import InvariantViolation
+from samcache.hashing import ContentKey, Namespace
+from samcache.ops.rope import rope_rerotate
+from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
+from samcache.integrations.vllm.identity import store_key
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    m = _LAYER_INDEX.search(layer_name)
+    if m is None:
+        raise ValueError(f"samcache: cannot tell the decoder layer of attention layer {layer_name!r}")
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Image tokens ``[offset, offset + length)`` of a prompt, named by vLLM's identifier."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """What the scheduler scheduled for one request this step: prompt tokens ``[start, start +
+    num_tokens)``, the request's blocks, its images inside that range and its tenant."""
+
+    req_id: str
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    images: tuple[ImageRef, ...]
+    tenant: str
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.block_ids[position // block_size] * block_size + position % block_size
+
+
+@dataclass
+class ImageKV:
+    """A stored image: per-layer keys (rotated at ``positions``) and values, ``[L, n, H, D]``, and
+    its M-RoPE positions ``[3, n]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class PendingSave:
+    """An image computed whole in this step, to store: its flattened ``rows`` and M-RoPE
+    ``positions`` ``[3, n]``; each layer's keys and values are captured as the layer writes them."""
+
+    key: ContentKey
+    rows: torch.Tensor
+    positions: torch.Tensor
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class AttentionBatch:
+    """vLLM's CPU attention inputs for one set of computed rows: each contiguous run of rows of a
+    request is a pseudo-request whose queries are the last ``len(run)`` of its ``seq_len`` keys."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: Any = None
+
+
+@dataclass
+class ForwardStep:
+    """The executed plan of one forward pass. ``rows[l]``: flattened rows layer ``l`` computes
+    (None: every row, vLLM's own path); ``select[l]``: their positions among ``rows[l - 1]``."""
+
+    rows: list[torch.Tensor] | None
+    select: list[torch.Tensor | None]
+    slots: list[torch.Tensor]
+    saves: list[PendingSave]
+    num_tokens: int
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: torch.Tensor
+    _batches: dict[int, AttentionBatch] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def sparse(self) -> bool:
+        return self.rows is not None
+
+    def capture(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep the saved images' rows of the keys and values layer ``layer`` writes (its computed
+        rows, in order: every flattened row, or ``rows[layer]`` when sparse)."""
+        for save in self.saves:
+            index = save.rows if self.rows is None else torch.searchsorted(self.rows[layer], save.rows)
+            save.k.append(keys.index_select(0, index))
+            save.v.append(values.index_select(0, index))
+
+    def attention_batch(self, layer: int, make_scheduler_metadata) -> AttentionBatch:
+        """The attention inputs of layer ``layer``'s rows (built once per distinct row set)."""
+        ident = id(self.rows[layer])
+        batch = self._batches.get(ident)
+        if batch is None:
+            batch = self._build_batch(self.rows[layer].numpy())
+            batch.scheduler_metadata = make_scheduler_metadata(batch)
+            self._batches[ident] = batch
+        return batch
+
+    def _build_batch(self, rows: np.ndarray) -> AttentionBatch:
+        qsl, seq = self.query_start_loc, self.seq_lens
+        owner = np.searchsorted(qsl, rows, side="right") - 1           # request of every row
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(owner) != 0)) + 1
+        starts = np.concatenate([[0], breaks])
+        ends = np.concatenate([breaks, [rows.size]])
+        req = owner[starts]
+        last_row = rows[ends - 1]                                       # flattened row of each run's last query
+        seq_len = seq[req] - (qsl[req + 1] - 1 - last_row)
+        query_start_loc = np.concatenate([[0], np.cumsum(ends - starts)])
+        return AttentionBatch(
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_len.astype(np.int32)),
+            block_table=self.block_table.index_select(0, torch.from_numpy(req.astype(np.int64))),
+        )
+
+
+class KVWriter(Protocol):
+    """Writes keys and values ``[n, H, D]`` of decoder layer ``layer`` into the engine's paged cache
+    at ``slots`` (the engine's own cache op: its layout is its business)."""
+
+    block_size: int
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """What re-rotating a cached key needs: the model's inverse frequencies and M-RoPE sections."""
+
+    inv_freq: torch.Tensor
+    style: str
+    section: tuple[int, ...]
+
+
+def plan_forward(
+    steps: Sequence[RequestStep],
+    *,
+    attn_metadata: Any,
+    positions: torch.Tensor,
+    cache: KVWriter,
+    rotary: Rotary,
+    store,
+    model_id: str,
+    budget: RecomputeBudget | None,
+    num_layers: int,
+) -> ForwardStep | None:
+    """Plan and prepare one forward pass: splice the stored images (writing their KV into the
+    cache), pick each layer's rows, list the images to save. None when nothing is to be done."""
+    if attn_metadata is None or getattr(attn_metadata, "dynamic_causal", None) is not None:
+        return None
+    qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
+    seq = attn_metadata.seq_lens.numpy().astype(np.int64)
+    slot_mapping = attn_metadata.slot_mapping
+    num_reqs = seq.size
+    total = int(qsl[num_reqs])
+    if positions.dim() != 2 or positions.size(0) != 3 or positions.size(1) < total:
+        return None  # not M-RoPE positions: nothing to plan with
+    bs = cache.block_size
+    first_slot = {int(slot_mapping[qsl[r]]): r for r in range(num_reqs) if qsl[r + 1] > qsl[r]}
+
+    saves: list[PendingSave] = []
+    skipped = np.zeros(total, dtype=bool)             # spliced rows no layer computes
+    recompute: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
+    stats = dict(scheduled_tokens=0, reused_tokens=0, recomputed_tokens=0, recomputed_token_layers=0,
+                 images_reused=0, images_saved=0, images_missed=0)
+    for step in steps:
+        r = first_slot.get(step.slot(step.start, bs)) if step.start // bs < len(step.block_ids) else None
+        if r is None:
+            continue
+        base, q = int(qsl[r]), int(qsl[r + 1] - qsl[r])
+        if q != step.num_tokens or int(seq[r]) - q != step.start:
+            continue  # not the step the scheduler described: compute it as vLLM does
+        end = step.start + step.num_tokens
+        namespace = Namespace(model_id, step.tenant)
+        slots, entries = [], {}
+        for ref in step.images:
+            if ref.offset + ref.length <= step.start or ref.offset + ref.length > end:
+                continue  # held by the prefix, or cut by the chunk's end: computed as vLLM does
+            key = store_key(ref.identifier, namespace)
+            if key is None or any(s.key == key for s in slots):
+                continue
+            entry = store.get(key, check=(ref.length,))
+            if entry is None:
+                stats["images_missed"] += 1
+                if ref.offset >= step.start:  # computed whole in this step: save it
+                    lo = base + ref.offset - step.start
+                    rows = torch.arange(lo, lo + ref.length)
+                    saves.append(PendingSave(key, rows, positions[:, rows].clone()))
+                continue
+            entries[key] = entry
+            # The planner's position only sets its span delta; keys move by per-token deltas below.
+            slots.append(ImageSlot(len(slots), ref.offset, ref.length, key, int(entry.positions[0, 0])))
+        stats["scheduled_tokens"] += step.num_tokens
+        if not entries:
+            continue
+        layout = PromptLayout(num_tokens=end, images=tuple(slots))
+        cached = {key: CachedImage(e.k.size(1), int(e.positions[0, 0])) for key, e in entries.items()}
+        plan = plan_reuse(layout, prefix_tokens=step.start, cached=cached, budget=budget, num_layers=num_layers)
+        for span in plan.spliced:
+            entry = entries[slots[span.image].key]
+            rows = torch.arange(base + span.start - step.start, base + span.end - step.start)
+            cached_span = slice(span.offset, span.offset + span.length)
+            delta = (positions[:, rows] - entry.positions[:, cached_span]).to(torch.int64).contiguous()
+            dst = slot_mapping[rows].to(torch.int64)
+            for layer in range(num_layers):
+                keys = entry.k[layer, cached_span].clone()
+                rope_rerotate(keys, delta, rotary.inv_freq, rotary.style, rotary.section)
+                cache.write(layer, keys, entry.v[layer, cached_span], dst)
+            skipped[rows.numpy()] = True
+            stats["images_reused"] += 1
+        if plan.recompute is not None:
+            for layer in range(num_layers):
+                recompute[layer].append(plan.recompute.positions(layer).astype(np.int64) + base - step.start)
+        stats["reused_tokens"] += plan.image_reused_tokens
+        stats["recomputed_tokens"] += plan.recomputed_tokens
+        stats["recomputed_token_layers"] += plan.recomputed_token_layers
+    stats["images_saved"] = len(saves)
+
+    common = dict(saves=saves, num_tokens=total, query_start_loc=qsl, seq_lens=seq,
+                  block_table=attn_metadata.block_table, stats=stats)
+    if not skipped.any():
+        if not saves:
+            return None
+        stats["computed_tokens"] = stats["scheduled_tokens"]
+        return ForwardStep(rows=None, select=[], slots=[], **common)
+    rows, select, slot_rows = [], [], []
+    for layer in range(num_layers):
+        keep = ~skipped
+        if recompute[layer]:
+            keep[np.concatenate(recompute[layer])] = True
+        layer_rows = torch.from_numpy(np.flatnonzero(keep))
+        if layer and torch.equal(layer_rows, rows[-1]):
+            layer_rows, sel = rows[-1], None                    # the same set: no gather, one batch
+        else:
+            sel = torch.searchsorted(rows[-1], layer_rows) if layer else None
+            if sel is not None and (sel.numel() and int(sel.max()) >= rows[-1].numel()
+                                    or not torch.equal(rows[-1][sel], layer_rows)):
+                raise InvariantViolation(f"samcache: layer {layer} computes rows layer {layer - 1} skipped "
+                                         "(recompute sets must shrink with depth)")
+        rows.append(layer_rows)
+        select.append(sel)
+        slot_rows.append(slot_mapping[layer_rows] if sel is not None or not layer else slot_rows[-1])
+    stats["computed_tokens"] = stats["scheduled_tokens"] - int(skipped.sum()) + stats["recomputed_tokens"]
+    return ForwardStep(rows=rows, select=select, slots=slot_rows, **common)
+
+
+__all__ = ["AttentionBatch", "KVWriter", "ForwardStep", "ImageKV", "ImageRef", "PendingSave", "RequestStep",
+           "Rotary", "layer_index", "plan_forward"]

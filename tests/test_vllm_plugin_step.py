@@ -1,0 +1,203 @@
+"""The vLLM plugin's step planning (samcache.integrations.vllm.step), on hand-made vLLM metadata.
+
+No vLLM needed: plan_forward takes vLLM's attention metadata fields, the step's positions, a store
+and a cache writer; the end-to-end tests through the real vLLM are in tests/vllm_plugin/.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from samcache.hashing import Namespace
+from samcache.integrations.vllm.config import SamcacheVllmConfig
+from samcache.integrations.vllm.identity import content_identifier, store_key
+from samcache.integrations.vllm.step import (ImageKV, ImageRef, RequestStep, Rotary, plan_forward)
+from samcache.reuse import RecomputeBudget
+from samcache.stores import TensorStore
+
+H, D, L, BS = 2, 8, 3, 4
+SECTION = (2, 1, 1)
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+ROTARY = Rotary(INV_FREQ.float(), "mrope", SECTION)
+MODEL = "vllm|tiny|float32"
+
+
+def mrope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Reference sectioned M-RoPE (rotate-half) in float64: x [n, H, D], pos [3, n]."""
+    axis = torch.tensor(sum(([a] * s for a, s in enumerate(SECTION)), []))
+    angle = pos.double()[axis].T * INV_FREQ  # [n, D/2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    x = x.double()
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+@dataclass
+class Metadata:  # the fields of vLLM's CPUAttentionMetadata that the plan reads
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    dynamic_causal: object = None
+
+
+class Writer:
+    block_size = BS
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def write(self, layer, keys, values, slots):
+        for i, s in enumerate(slots.tolist()):
+            self.k[layer, s] = keys[i].clone()
+            self.v[layer, s] = values[i].clone()
+
+
+def image_positions(start: int, grid=(2, 3)) -> torch.Tensor:
+    h, w = grid
+    t = torch.full((h * w,), start)
+    hh = torch.arange(h).repeat_interleave(w) + start
+    ww = torch.arange(w).repeat(h) + start
+    return torch.stack([t, hh, ww])
+
+
+def build(tenant="t", stored_tenant="t", ratio=0.0, first_slot_ok=True, seed=0):
+    """Request 0: prompt tokens [2, 16) scheduled (its prefix [0, 2) cached), a 6-token image at
+    [5, 11) stored for ``stored_tenant`` from positions 20.., now at 5.. Request 1: 5 new tokens,
+    no image. Flattened rows: request 0 -> 0..13, request 1 -> 14..18."""
+    g = torch.Generator().manual_seed(seed)
+    ns = Namespace(MODEL, stored_tenant)
+    ident = content_identifier("abc123")
+    key = store_key(ident, ns)
+    raw_k = torch.randn(L, 6, H, D, generator=g)
+    old_pos = image_positions(20)
+    stored_k = torch.stack([mrope(raw_k[l], old_pos).float() for l in range(L)])
+    v = torch.randn(L, 6, H, D, generator=g)
+    store = TensorStore("test", 1 << 20)
+    store.put(key, ImageKV(stored_k, v, old_pos), check=(6,))
+    # request 0: blocks 7, 3, 9, 4 (16 tokens); request 1: blocks 1, 2
+    blocks0, blocks1 = (7, 3, 9, 4), (1, 2)
+    slots0 = [blocks0[p // BS] * BS + p % BS for p in range(2, 16)]
+    slots1 = [blocks1[p // BS] * BS + p % BS for p in range(0, 5)]
+    md = Metadata(query_start_loc=torch.tensor([0, 14, 19], dtype=torch.int32),
+                  seq_lens=torch.tensor([16, 5], dtype=torch.int32),
+                  slot_mapping=torch.tensor(slots0 + slots1, dtype=torch.int64),
+                  block_table=torch.tensor([[7, 3, 9, 4], [1, 2, 0, 0]], dtype=torch.int32))
+    # positions: text is 1-D (t = h = w); the image follows its text start
+    pos0 = torch.arange(2, 16).repeat(3, 1)
+    pos0[:, 3:9] = image_positions(5)
+    positions = torch.cat([pos0, torch.arange(0, 5).repeat(3, 1)], dim=1)
+    steps = [RequestStep("r0", 2 if first_slot_ok else 3, 14, blocks0, (ImageRef(ident, 5, 6),), tenant),
+             RequestStep("r1", 0, 5, blocks1, (), tenant)]
+    budget = RecomputeBudget(rates=(ratio,) * L, relevance=False)
+    writer = Writer()
+    step = plan_forward(steps, attn_metadata=md, positions=positions, cache=writer, rotary=ROTARY, store=store,
+                        model_id=MODEL, budget=budget, num_layers=L)
+    return step, writer, raw_k, v, md, positions
+
+
+def test_a_stored_image_is_rotated_to_its_new_positions_and_written_at_its_slots():
+    step, writer, raw_k, v, md, positions = build()
+    image_slots = md.slot_mapping[3:9].tolist()
+    assert sorted({s for _, s in writer.k}) == sorted(image_slots)  # nothing else written
+    want = [mrope(raw_k[l], image_positions(5)) for l in range(L)]
+    for layer in range(L):
+        for i, slot in enumerate(image_slots):
+            torch.testing.assert_close(writer.k[layer, slot].double(), want[layer][i], atol=1e-5, rtol=0)
+            assert torch.equal(writer.v[layer, slot], v[layer, i])
+    # every layer computes everything but the image (ratio 0): rows 0-2, 9-18
+    expect = torch.tensor([0, 1, 2, *range(9, 19)])
+    assert all(torch.equal(r, expect) for r in step.rows)
+    assert step.stats["reused_tokens"] == 6 and step.stats["computed_tokens"] == 19 - 6
+
+
+def test_recompute_rows_shrink_with_depth_and_attention_runs_see_exactly_their_keys():
+    budget_rates = (1.0, 0.5, 0.2)  # a layer-aware budget: nested sets, each layer's rows within the one before
+    from samcache.integrations.vllm import step as step_mod
+
+    g = torch.Generator().manual_seed(1)
+    ns = Namespace(MODEL, "t")
+    _, _, raw_k, v, md, positions = build()
+    store = TensorStore("s", 1 << 20)
+    ident = content_identifier("abc123")
+    store.put(store_key(ident, ns), ImageKV(torch.randn(L, 6, H, D, generator=g), v, image_positions(20)), check=(6,))
+    steps = [RequestStep("r0", 2, 14, (7, 3, 9, 4), (ImageRef(ident, 5, 6),), "t"),
+             RequestStep("r1", 0, 5, (1, 2), (), "t")]
+    fs = step_mod.plan_forward(steps, attn_metadata=md, positions=positions, cache=Writer(), rotary=ROTARY,
+                               store=store, model_id=MODEL, budget=RecomputeBudget(rates=budget_rates, relevance=False),
+                               num_layers=L)
+    counts = [r.numel() for r in fs.rows]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 19 and counts[-1] < counts[1] < 19
+    for layer in range(1, L):
+        if fs.select[layer] is not None:
+            assert torch.equal(fs.rows[layer - 1][fs.select[layer]], fs.rows[layer])
+        assert set(fs.rows[layer].tolist()) <= set(fs.rows[layer - 1].tolist())
+        assert {13, 18} <= set(fs.rows[layer].tolist())  # each request's last token: its logits
+    # attention: every computed row attends to the keys of its own sequence up to itself, no more
+    qsl, seq = md.query_start_loc.numpy(), md.seq_lens.numpy()
+    for layer in range(L):
+        batch = fs.attention_batch(layer, lambda b: None)
+        runs_q, runs_len = batch.query_start_loc.numpy(), batch.seq_lens.numpy()
+        rows = fs.rows[layer].numpy()
+        for run in range(runs_len.size):
+            for i in range(runs_q[run], runs_q[run + 1]):
+                row = rows[i]
+                req = int(np.searchsorted(qsl, row, side="right") - 1)
+                position = seq[req] - (qsl[req + 1] - row)          # the row's index in its sequence
+                visible = runs_len[run] - (runs_q[run + 1] - 1 - i)  # causal: keys [0, visible)
+                assert visible == position + 1
+                assert torch.equal(batch.block_table[run], md.block_table[req])
+
+
+def test_no_hit_for_another_tenant_or_a_mismatched_step():
+    step, writer, *_ = build(tenant="other")
+    assert not writer.k                                   # nothing written
+    assert step is not None and step.saves and step.rows is None  # the image is saved for that tenant
+    step, writer, *_ = build(first_slot_ok=False)
+    assert step is None and not writer.k                  # not the step the scheduler described
+
+
+def test_a_missed_image_is_captured_from_the_rows_each_layer_writes():
+    step, *_ = build(tenant="other")
+    save = step.saves[0]
+    assert save.rows.tolist() == list(range(3, 9))
+    for layer in range(L):
+        keys = torch.arange(19 * H * D, dtype=torch.float32).view(19, H, D) + layer
+        step.capture(layer, keys, -keys)
+    assert len(save.k) == L and torch.equal(save.k[1], torch.arange(19 * H * D).view(19, H, D)[3:9].float() + 1)
+    # sparse: the captured rows are found among the layer's computed rows
+    sparse, *_ = build(ratio=0.0)
+    sparse.saves.append(type(save)(save.key, torch.tensor([0, 1, 2]), save.positions[:, :3]))
+    rows = sparse.rows[0]
+    sparse.capture(0, rows.float()[:, None, None].expand(-1, H, D), rows.float()[:, None, None].expand(-1, H, D))
+    assert sparse.saves[0].k[0][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_store_keys_follow_model_tenant_and_content():
+    ident = content_identifier("00ff")
+    a = store_key(ident, Namespace(MODEL, "t"))
+    assert a == store_key(ident, Namespace(MODEL, "t"))
+    assert a != store_key(ident, Namespace(MODEL, "u"))                 # another tenant
+    assert a != store_key(ident, Namespace(MODEL + "-other", "t"))      # another model
+    assert a != store_key(content_identifier("00fe"), Namespace(MODEL, "t"))  # other pixels
+    assert store_key("client-uuid-1", Namespace(MODEL, "t")) is None   # not a content hash: never reused
+    assert store_key("samcache:", Namespace(MODEL, "t")) is None
+
+
+def test_plugin_configuration_is_checked_with_clear_messages():
+    cfg = SamcacheVllmConfig.from_extra_config({"recompute_ratio": 0.1, "tenant": "acme"})
+    assert cfg.layer_rates(4) == (0.1,) * 4 and cfg.tenant == "acme"
+    assert SamcacheVllmConfig.from_extra_config({"recompute_rates": [0.3, 0.2]}).layer_rates(2) == (0.3, 0.2)
+    for bad, match in [({"recompute_ratoi": 0.1}, r"unknown kv_connector_extra_config key\(s\) \['recompute_ratoi'\]"),
+                       ({"recompute_ratio": 1.5}, r"recompute_ratio must be a number in \[0, 1\]"),
+                       ({"recompute_ratio": True}, "recompute_ratio"),
+                       ({"recompute_rates": [0.1, 0.3]}, "non-increasing"),
+                       ({"store_bytes": 0}, "store_bytes must be an int >= 1"),
+                       ({"tenant": 3}, "tenant must be a string"),
+                       ({"metrics_path": ""}, "metrics_path")]:
+        with pytest.raises(ValueError, match=match):
+            SamcacheVllmConfig.from_extra_config(bad)
+    with pytest.raises(ValueError, match="recompute_rates has 2 entries, the model has 3"):
+        SamcacheVllmConfig.from_extra_config({"recompute_rates": [0.3, 0.2]}).layer_rates(3)

@@ -1,0 +1,258 @@
+"""samcache's vLLM plugin, end to end through the real vLLM (CPU build) on a tiny local checkpoint.
+
+Runs in vLLM's environment (`make test` runs this folder with `.venv-vllm/bin/python`, where
+samcache is installed and vLLM loads the plugin through its entry point); elsewhere it skips.
+Each engine is a real `vllm.LLM` (its engine core and worker in their own processes); the plugin's
+counters come back through its `metrics_path` file.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from PIL import Image  # noqa: E402
+
+from samcache.integrations.vllm import read_metrics  # noqa: E402
+
+BLOCK = 32
+SIZE = (224, 336)  # 96 image tokens: three vLLM blocks
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-plugin")
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                      VLLM_CACHE_ROOT=str(root / "cache"), XDG_CACHE_HOME=str(root / "cache"),
+                      VLLM_RPC_BASE_PATH=str(root), VLLM_CPU_KVCACHE_SPACE="1")
+    yield root
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(env):
+    from samcache.models import build_tiny_model
+
+    return str(build_tiny_model("qwen2_5_vl", env / "qwen2_5_vl"))
+
+
+def _image(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*SIZE, 3), dtype=np.uint8))
+
+
+IMAGES = {name: _image(seed) for seed, name in enumerate("ABCDEW")}
+
+
+def prompt(names, text: str, *, images=IMAGES, salt: str | None = None) -> dict:
+    """A Qwen2.5-VL chat prompt (the tiny checkpoint's template) with ``names``' images."""
+    vision = "<|vision_start|><|image_pad|><|vision_end|>" * len(names)
+    p = {"prompt": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                   f"{vision}{text}<|im_end|>\n<|im_start|>assistant\n",
+         "multi_modal_data": {"image": [images[n] for n in names]} if names else {}}
+    if salt is not None:
+        p["cache_salt"] = salt
+    return p
+
+
+# A GUI agent's sliding window: every turn re-sends known screenshots at new places.
+TURNS = [prompt("AB", "open the menu"), prompt("BC", "click save"), prompt("CD", "type the name"),
+         prompt("AD", "go back")]
+
+
+def make_llm(checkpoint: str, plugin: dict | None = None, **kw):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    if plugin is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="SamcacheConnector", kv_role="kv_both",
+                                                    kv_connector_extra_config=plugin)
+    args = dict(model=checkpoint, dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=2048,
+                limit_mm_per_prompt={"image": 3}, enable_prefix_caching=True, seed=0, max_logprobs=-1)
+    return LLM(**{**args, **kw})
+
+
+def run(llm, prompts, max_tokens: int = 4) -> list[dict]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=-1),
+                        use_tqdm=False)
+    return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+             "lp": np.array([lp.logprob for _, lp in sorted(o.outputs[0].logprobs[0].items())])} for o in outs]
+
+
+def serve_alone(llm, prompts, max_tokens: int = 4) -> list[dict]:
+    return [run(llm, [p], max_tokens)[0] for p in prompts]
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def kl(p_log: np.ndarray, q_log: np.ndarray) -> float:
+    return float(np.sum(np.exp(p_log) * (p_log - q_log)))
+
+
+EXTRA = {"moved": prompt("DB", "where is it"), "pixel": None, "salted": prompt("BA", "again", salt="tenant-b"),
+         "new": prompt("E", "a new screen"), "text": prompt("", "just text")}
+
+
+@pytest.fixture(scope="module")
+def vanilla(checkpoint):
+    """Vanilla vLLM (prefix caching on): the reference outputs, every prompt served alone."""
+    llm = make_llm(checkpoint)
+    try:
+        out = {"turns": serve_alone(llm, TURNS)}
+        changed = dict(IMAGES, B=_changed_pixel(IMAGES["B"]))
+        out["pixel"] = run(llm, [prompt("DB", "where is it", images=changed)])[0]
+        out.update({k: run(llm, [p])[0] for k, p in EXTRA.items() if p is not None})
+    finally:
+        close(llm)
+    return out
+
+
+def _changed_pixel(image: Image.Image) -> Image.Image:
+    pixels = np.array(image)
+    pixels[100, 200, 1] ^= 1
+    return Image.fromarray(pixels)
+
+
+@pytest.mark.parametrize("chunk", [None, 112])
+def test_at_recompute_ratio_1_outputs_equal_vanilla_vllm_token_for_token(checkpoint, vanilla, env, chunk):
+    """Ratio 1.0 recomputes every reused row: the plugin's path (KV re-rotated and written at new
+    positions, the model on its rows, attention over runs of rows) must give vLLM's own outputs.
+    With 112-token chunks (chunked prefill) the images of these prompts are cut by chunk ends: the
+    cut parts are computed as vLLM does and the parts after a cut are spliced from the store."""
+    metrics = env / f"ratio1-{chunk}.json"
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    if chunk is None:
+        reference = vanilla["turns"]
+    else:
+        llm = make_llm(checkpoint, **kw)  # vanilla vLLM, chunked alike
+        try:
+            reference = serve_alone(llm, TURNS)
+        finally:
+            close(llm)
+    llm = make_llm(checkpoint, {"recompute_ratio": 1.0, "metrics_path": str(metrics)}, **kw)
+    try:
+        got = serve_alone(llm, TURNS)
+    finally:
+        close(llm)
+    for want, have in zip(reference, got):
+        assert have["ids"] == want["ids"]
+        np.testing.assert_allclose(have["lp"], want["lp"], atol=1e-5)
+    m = read_metrics(metrics)
+    assert m.images_reused >= 1 and m.reused_tokens >= (96 if chunk is None else 1)  # the path ran
+    assert m.recomputed_tokens == m.reused_tokens and m.computed_tokens == m.scheduled_tokens
+
+
+@pytest.fixture(scope="module")
+def plugin_run(checkpoint, env):
+    """vLLM + samcache at the default ratio (0.05), the turns then the safety prompts, served alone;
+    the plugin's counters after each."""
+    metrics = env / "default.json"
+    llm = make_llm(checkpoint, {"metrics_path": str(metrics)})
+    out, counters = {}, {}
+    try:
+        out["turns"] = []
+        for i, p in enumerate(TURNS):
+            out["turns"].append(run(llm, [p])[0])
+            counters[f"turn{i}"] = read_metrics(metrics)
+        changed = dict(IMAGES, B=_changed_pixel(IMAGES["B"]))
+        named = prompt("AB", "named by the client") | {"multi_modal_uuids": {"image": ["client-a", "client-b"]}}
+        for name, p in [("pixel", prompt("DB", "where is it", images=changed)), ("salted", EXTRA["salted"]),
+                        ("uuid", named), ("moved", EXTRA["moved"])]:
+            out[name] = run(llm, [p])[0]
+            counters[name] = read_metrics(metrics)
+    finally:
+        close(llm)
+    return out, counters
+
+
+def test_known_images_at_new_positions_are_reused_and_fewer_tokens_are_computed(plugin_run, vanilla):
+    out, c = plugin_run
+    # turn 0 sees A and B first: nothing to reuse, both saved
+    assert c["turn0"].images_reused == 0 and c["turn0"].images_saved == 2
+    # turn 1 re-sends B one image earlier (not a prefix): its KV is spliced in at the new position
+    assert c["turn1"].images_reused - c["turn0"].images_reused == 1
+    assert c["turn1"].reused_tokens - c["turn0"].reused_tokens == 96
+    for before, after in [("turn0", "turn1"), ("turn1", "turn2")]:
+        scheduled = c[after].scheduled_tokens - c[before].scheduled_tokens
+        computed = c[after].computed_tokens - c[before].computed_tokens
+        recomputed = c[after].recomputed_tokens - c[before].recomputed_tokens
+        assert computed == scheduled - 96 + recomputed and 0 < recomputed <= 0.05 * 96 + 1
+    # the next-token distribution stays close to vanilla vLLM's full prefill
+    kls = [kl(want["lp"], have["lp"]) for want, have in zip(vanilla["turns"], out["turns"])]
+    assert kls[0] < 1e-9                    # nothing reused: vLLM's own computation
+    assert max(kls) < 0.05, kls
+    print("next-token KL vs vanilla vLLM per turn:", kls)
+
+
+def test_wrong_content_never_hits(plugin_run, vanilla):
+    out, c = plugin_run
+    # one changed pixel of B: another image, computed (and saved) as new
+    assert c["pixel"].images_reused - c["turn3"].images_reused == 1  # D only
+    assert out["pixel"]["ids"] == vanilla["pixel"]["ids"] or kl(vanilla["pixel"]["lp"], out["pixel"]["lp"]) < 0.05
+    # another tenant (cache_salt): B and A were stored for the default tenant only
+    assert c["salted"].images_reused == c["pixel"].images_reused
+    assert kl(vanilla["salted"]["lp"], out["salted"]["lp"]) < 1e-9  # computed exactly as vLLM does
+    # images a client named itself (multi_modal_uuids): their content is not known, never reused
+    assert c["uuid"].images_reused == c["salted"].images_reused
+    # the same content for the default tenant again: both hit
+    assert c["moved"].images_reused - c["uuid"].images_reused == 2
+
+
+def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_alone(checkpoint, vanilla, env):
+    """One engine without vLLM's prefix cache (so a request served twice takes the same path): a warm
+    turn stores A and B; then one vLLM step holds a request reusing both, one with a new image,
+    one text-only. Each gets the output it gets alone (the reusing one on the same engine, the
+    others vanilla vLLM's, since nothing is reused for them)."""
+    metrics = env / "batch.json"
+    llm = make_llm(checkpoint, {"metrics_path": str(metrics)}, enable_prefix_caching=False)
+    try:
+        run(llm, [TURNS[0]])
+        batch = run(llm, [prompt("BA", "again"), EXTRA["new"], EXTRA["text"]])
+        m = read_metrics(metrics)
+        alone = run(llm, [prompt("BA", "again")])[0]
+    finally:
+        close(llm)
+    assert m.images_reused == 2  # both images of the first request, inside the batch
+    assert batch[0]["ids"] == alone["ids"]
+    np.testing.assert_allclose(batch[0]["lp"], alone["lp"], atol=1e-4)
+    for got, name in [(batch[1], "new"), (batch[2], "text")]:
+        assert got["ids"] == vanilla[name]["ids"]
+        np.testing.assert_allclose(got["lp"], vanilla[name]["lp"], atol=1e-4)
+
+
+BAD_CONFIG_SCRIPT = textwrap.dedent("""
+    import sys
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    model, extra = sys.argv[1], eval(sys.argv[2])
+    LLM(model=model, dtype="float32", enforce_eager=True, block_size=32, max_model_len=1024,
+        kv_transfer_config=KVTransferConfig(kv_connector="SamcacheConnector", kv_role="kv_both",
+                                            kv_connector_extra_config=extra))
+    print("STARTED")
+""")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"recompute_ratoi": 0.1}, "unknown kv_connector_extra_config key(s) ['recompute_ratoi']"),
+    ({"recompute_ratio": 1.5}, "recompute_ratio must be a number in [0, 1], got 1.5"),
+])
+def test_bad_configuration_fails_at_start_up_with_a_clear_message(checkpoint, env, extra, message):
+    proc = subprocess.run([sys.executable, "-c", BAD_CONFIG_SCRIPT, checkpoint, repr(extra)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert f"samcache: {message}" in proc.stdout + proc.stderr
