@@ -176,7 +176,7 @@ def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypa
 
 def test_runtime_code_never_imports_the_test_fixture_builders():
     code = ("import sys, samcache.engine, samcache.reuse, samcache.stores, samcache.eval, samcache.benchmark, "
-            "samcache.peers.vllm_launcher; print(sorted(m for m in sys.modules if m.startswith('samcache.models')))")
+            "samcache.peers.vllm_launcher, samcache.integrations.vllm.step; print(sorted(m for m in sys.modules if m.startswith('samcache.models')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

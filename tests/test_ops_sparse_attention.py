@@ -296,3 +296,20 @@ def test_cuda_inconsistent_metadata_gives_nan_not_a_fault(tensor_cores, monkeypa
         ok_rows = [r for r in range(q.shape[0]) if r not in nan_rows]
         assert out[nan_rows].isnan().all() and lse[nan_rows].isnan().all(), change
         torch.testing.assert_close(out[ok_rows].cpu().double(), ref_out[ok_rows], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("n, m, hq, hkv, d", [(1, 1, 1, 1, 8), (37, 37, 4, 4, 16), (600, 600, 4, 2, 16), (5, 70, 2, 1, 64)])
+def test_full_attention_equals_a_float64_softmax_over_every_key(n, m, hq, hkv, d):
+    from samcache.ops import full_attention
+
+    g = torch.Generator().manual_seed(n * 7 + m)
+    q, k, v = (torch.randn(rows, h, d, generator=g) for rows, h in ((n, hq), (m, hkv), (m, hkv)))
+    scale = 0.3
+    kk, vv = (t.double().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    logits = torch.einsum("nhd,mhd->hnm", q.double(), kk) * scale
+    want = torch.einsum("hnm,mhd->nhd", logits.softmax(-1), vv)
+    out = full_attention(q, k, v, scale=scale)
+    assert out.shape == (n, hq, d) and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="k and v must be"):
+        full_attention(q, k, v[:, :, :-1], scale=scale)

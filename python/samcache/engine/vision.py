@@ -20,14 +20,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import numpy as np
 import torch
 
 from samcache.engine.linear import onednn_linears
 
 ATTENTION_NAME = "samcache_vision"
 MIN_KERNEL_ROWS = 512  # shorter runs (windowed attention) stay with SDPA
-_BLOCK = 16
 
 
 def _attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, is_causal=None, **kwargs):
@@ -40,17 +38,9 @@ def _attention(module, query, key, value, attention_mask=None, scaling=None, dro
     if not usable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    from samcache.ops import AttentionMetadata, sparse_attention
+    from samcache.ops import full_attention
 
-    blocks = -(-n // _BLOCK)
-    caches = []
-    for t in (key, value):  # [1, H, N, D] -> a paged cache [blocks, 16, H, D] holding the image's N tokens
-        c = t.new_zeros(blocks * _BLOCK, h, d)
-        c[:n] = t[0].transpose(0, 1)
-        caches.append(c.view(blocks, _BLOCK, h, d))
-    meta = AttentionMetadata.build([np.full(n, n - 1)], [np.arange(blocks)], [n], _BLOCK)
-    out, _ = sparse_attention(query[0].transpose(0, 1).contiguous(), meta, *caches,
-                              scale=scaling if scaling is not None else d ** -0.5)
+    out = full_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), scale=scaling)
     return out[None], None
 
 

@@ -142,4 +142,29 @@ def sparse_attention(
     )
 
 
-__all__ = ["AttentionMetadata", "sparse_attention"]
+_FULL_BLOCK = 16
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Non-causal attention of one sequence through the kernel: every row of ``q`` ``[N, Hq, D]``
+    sees all ``M`` keys of ``k``, ``v`` ``[M, Hkv, D]`` (e.g. a ViT's full-attention blocks over one
+    image's patches). The keys are laid out as a paged cache of 16-token blocks and every query
+    row sits at the sequence's last position. Returns ``[N, Hq, D]`` in q's dtype."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a [tokens, heads, head_dim] tensor")
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or k.shape[0] < 1:
+        raise ValueError(f"k and v must be [M >= 1, Hkv, {q.shape[-1]}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
+    m, heads, dim = k.shape
+    blocks = -(-m // _FULL_BLOCK)
+    caches = []
+    for t in (k, v):
+        paged = t.new_zeros(blocks * _FULL_BLOCK, heads, dim)
+        paged[:m] = t
+        caches.append(paged.view(blocks, _FULL_BLOCK, heads, dim))
+    meta = AttentionMetadata.build([np.full(q.shape[0], m - 1)], [np.arange(blocks)], [m], _FULL_BLOCK)
+    out, _ = sparse_attention(q.contiguous(), meta, *caches, scale=scale)
+    return out
+
+
+__all__ = ["AttentionMetadata", "full_attention", "sparse_attention"]

@@ -27,6 +27,7 @@ class PluginMetrics:
     store_bytes: int = 0
     store_evictions: int = 0
     num_layers: int = 0            # decoder layers of the model (to weigh per-layer recompute)
+    vit_kernel_sequences: int = 0  # long ViT attention sequences run on samcache's kernel
 
 
 _lock = threading.Lock()

@@ -4,7 +4,8 @@ Without a samcache step (the plugin off, a decode-only step, nothing reused) ``f
 vLLM's own. With one, the decoder layers run on the rows each layer computes
 (:class:`~.step.ForwardStep`): new tokens plus that layer's recompute rows. The hidden states of
 skipped rows are never read: vLLM samples only each request's last scheduled token, which the
-plan always computes. The processor names images by samcache content keys (:mod:`.identity`).
+plan always computes. The processor names images by samcache content keys (:mod:`.identity`);
+with the plugin on, the vision tower's long attention runs on samcache's kernel (:mod:`.vision`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from vllm.model_executor.models.qwen2_5_vl import (Qwen2_5_VLDummyInputsBuilder,
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from samcache.integrations.vllm import sparse_context
+from samcache.integrations.vllm.config import CONNECTOR_NAME
 from samcache.integrations.vllm.connector import active_worker
 from samcache.integrations.vllm.identity import make_processor_class
 from samcache.integrations.vllm.step import ForwardStep
+from samcache.integrations.vllm.vision import use_samcache_vision_attention
 
 
 def run_rows(language_model: torch.nn.Module, step: ForwardStep, positions: torch.Tensor,
@@ -42,6 +45,12 @@ def run_rows(language_model: torch.nn.Module, step: ForwardStep, positions: torc
 @MULTIMODAL_REGISTRY.register_processor(make_processor_class(Qwen2_5_VLMultiModalProcessor),
                                         info=Qwen2_5_VLProcessingInfo, dummy_inputs=Qwen2_5_VLDummyInputsBuilder)
 class SamcacheQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        kv = vllm_config.kv_transfer_config
+        if kv is not None and kv.kv_connector == CONNECTOR_NAME and getattr(self, "visual", None) is not None:
+            use_samcache_vision_attention(self.visual)  # the plugin on: samcache's kernel for long ViT attention
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         worker = active_worker()
         if worker is None or intermediate_tensors is not None:
