@@ -156,8 +156,8 @@ def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypa
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, 700, 16, generator=gen) for _ in range(3))
     calls = []
-    real = samcache.ops.sparse_attention
-    monkeypatch.setattr(samcache.ops, "sparse_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = samcache.ops.full_attention
+    monkeypatch.setattr(samcache.ops, "full_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out, _ = vision._attention(torch.nn.Module(), q, k, v, None, scaling=0.25, is_causal=False)
     assert calls == [1]  # 700 patches: samcache's kernel
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25).transpose(1, 2)

@@ -201,3 +201,19 @@ def test_plugin_configuration_is_checked_with_clear_messages():
             SamcacheVllmConfig.from_extra_config(bad)
     with pytest.raises(ValueError, match="recompute_rates has 2 entries, the model has 3"):
         SamcacheVllmConfig.from_extra_config({"recompute_rates": [0.3, 0.2]}).layer_rates(3)
+
+
+def test_an_unsupported_engine_set_up_is_refused_before_anything_runs():
+    from types import SimpleNamespace as NS
+
+    from samcache.integrations.vllm.config import check_engine_config
+
+    def config(arch="Qwen2_5_VLForConditionalGeneration", tp=1, pp=1):
+        return NS(model_config=NS(hf_config=NS(architectures=[arch])),
+                  parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+
+    with pytest.raises(ValueError, match=r"supports \['Qwen2_5_VLForConditionalGeneration'\], this model is "
+                                         r"\['Qwen3VLMoeForConditionalGeneration'\]"):
+        check_engine_config(config("Qwen3VLMoeForConditionalGeneration"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        check_engine_config(config(tp=2))
