@@ -217,3 +217,19 @@ def test_an_unsupported_engine_set_up_is_refused_before_anything_runs():
         check_engine_config(config("Qwen3VLMoeForConditionalGeneration"))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         check_engine_config(config(tp=2))
+
+
+def test_lora_and_scaled_rope_are_refused_at_start_up():
+    from types import SimpleNamespace as NS
+
+    from samcache.integrations.vllm.config import check_engine_config
+
+    def config(lora=None, rope=None):
+        text = NS(rope_parameters=rope or {"rope_type": "default", "mrope_section": [16, 24, 24]})
+        return NS(model_config=NS(hf_config=NS(architectures=["Qwen2_5_VLForConditionalGeneration"], text_config=text)),
+                  parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1), lora_config=lora)
+
+    with pytest.raises(ValueError, match="does not support LoRA"):
+        check_engine_config(config(lora=object()))
+    with pytest.raises(ValueError, match="unscaled M-RoPE only"):
+        check_engine_config(config(rope={"rope_type": "yarn", "factor": 4.0, "mrope_section": [16, 24, 24]}))

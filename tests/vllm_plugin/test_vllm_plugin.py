@@ -84,11 +84,11 @@ def make_llm(checkpoint: str, plugin: dict | None = None, **kw):
     return LLM(**{**args, **kw})
 
 
-def run(llm, prompts, max_tokens: int = 4) -> list[dict]:
+def run(llm, prompts, max_tokens: int = 4, prompt_logprobs: int | None = None) -> list[dict]:
     from vllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=-1),
-                        use_tqdm=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=prompt_logprobs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
              "lp": np.array([lp.logprob for _, lp in sorted(o.outputs[0].logprobs[0].items())])} for o in outs]
 
@@ -184,6 +184,9 @@ def plugin_run(checkpoint, env):
                         ("uuid", named), ("moved", EXTRA["moved"])]:
             out[name] = run(llm, [p])[0]
             counters[name] = read_metrics(metrics)
+        # prompt logprobs read every row's output: nothing may be skipped
+        out["prompt_logprobs"] = run(llm, [prompt("DA", "every row")], prompt_logprobs=1)[0]
+        counters["prompt_logprobs"] = read_metrics(metrics)
     finally:
         close(llm)
     return out, counters
@@ -220,6 +223,8 @@ def test_wrong_content_never_hits(plugin_run, vanilla):
     assert c["uuid"].images_reused == c["salted"].images_reused
     # the same content for the default tenant again: both hit
     assert c["moved"].images_reused - c["uuid"].images_reused == 2
+    # a request asking for prompt logprobs reads every row: computed in full, nothing reused
+    assert c["prompt_logprobs"].images_reused == c["moved"].images_reused
 
 
 def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_alone(checkpoint, vanilla, env):

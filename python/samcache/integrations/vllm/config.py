@@ -84,6 +84,14 @@ def check_engine_config(vllm_config: Any) -> None:
     if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_size != 1:
         raise ValueError("samcache: the vLLM plugin runs with tensor_parallel_size=1 and "
                          "pipeline_parallel_size=1 in this version")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ValueError("samcache: the vLLM plugin does not support LoRA in this version (an image's KV depends "
+                         "on the adapter, and the adapter rows of a step cannot be subset)")
+    rope = getattr(model.hf_config, "text_config", model.hf_config)
+    rope = getattr(rope, "rope_parameters", None) or getattr(rope, "rope_scaling", None) or {}
+    rope = dict(rope) if hasattr(rope, "keys") else {"rope_type": str(rope)}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope") or rope.get("factor"):
+        raise ValueError(f"samcache: the vLLM plugin supports unscaled M-RoPE only, the model has {rope}")
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

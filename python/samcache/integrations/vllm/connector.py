@@ -5,13 +5,13 @@ Enabled with ``--kv-transfer-config '{"kv_connector": "SamcacheConnector", "kv_r
 
 - Scheduler side: tracks each request's blocks, images (vLLM identifiers = samcache content keys,
   :mod:`.identity`) and tenant (its ``cache_salt``), and sends the workers, per step, the prompt
-  range scheduled for every request with whole images in it (:class:`~.step.RequestStep`). It
+  range scheduled for every request in which an image ends (:class:`~.step.RequestStep`). It
   claims no external prefix tokens: vLLM's own prefix cache serves the exact prefix.
 - Worker side: holds the image-KV store (byte-bounded, least recently used first). At the start
   of the model's forward (:mod:`.model`) it plans the step (:func:`~.step.plan_forward`), writes
-  the reused images' KV into vLLM's cache and tells the model which rows to compute; after every
-  attention layer it copies the new images' KV out (``save_kv_layer``) and stores them when the
-  step ends (``wait_for_save``).
+  the reused images' KV into vLLM's cache and tells the model which rows to compute; the attention
+  backend hands it the new images' keys and values as each layer writes them
+  (:meth:`SamcacheConnector.capture_layer_kv`), stored when the step ends (``wait_for_save``).
 
 The plan is the worker's decision: an image the store no longer holds is computed as vLLM would,
 so the scheduler's view of the store never has to be exact.
@@ -86,21 +86,32 @@ class SamcacheConnector(KVConnectorBase_V1):
                     self.config.store_bytes / 2**20)
 
     # ---------------------------------------------------------------- scheduler side
+    def _tenant_of(self, request: Any) -> str:
+        # A request's cache_salt is its tenant; the configured default is kept apart from any salt.
+        salt = getattr(request, "cache_salt", None)
+        return f"salt:{salt}" if salt else f"default:{self.config.tenant}"
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        self._tenants[request.request_id] = request.cache_salt or self.config.tenant
+        self._tenants[request.request_id] = self._tenant_of(request)
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        return None
+        # Every request admitted from waiting passes here (resumed ones and streamed sessions too).
+        self._tenants[request.request_id] = self._tenant_of(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         steps: list[RequestStep] = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            images = tuple(ImageRef(f.identifier, f.mm_position.offset, f.mm_position.length)
-                           for f in new.mm_features if f.modality == "image")
-            tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]),
-                               self._tenants.pop(new.req_id, self.config.tenant))
+            # Every row's output is read when prompt logprobs or pooling are asked for: no rows skipped.
+            sampling = new.sampling_params
+            every_row = new.pooling_params is not None or (sampling is not None and sampling.prompt_logprobs is not None)
+            images = () if every_row else tuple(ImageRef(f.identifier, f.mm_position.offset, f.mm_position.length)
+                                                for f in new.mm_features if f.modality == "image")
+            tenant = self._tenants.get(new.req_id)
+            if tenant is None:  # never admitted through this connector: plan nothing for it
+                images = ()
+            tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]), tenant or "")
             self._tracked[new.req_id] = tracked
             self._add_step(steps, new.req_id, tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -158,7 +169,12 @@ class SamcacheConnector(KVConnectorBase_V1):
         if not isinstance(attn, dict) or not attn:
             return None
         if self._rotary is None:
-            self._rotary = rotary_of(model)
+            try:
+                self._rotary = rotary_of(model)
+            except ValueError as e:  # refused at start-up already; never take the engine down mid-service
+                logger.error("%s: reuse disabled", e)
+                self._cache = None
+                return None
         first_layer = next(name for name, index in self._layer_of.items() if index == 0)
         self._step = plan_forward(meta.steps, attn_metadata=attn.get(first_layer), positions=positions,
                                   cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,

@@ -3,7 +3,7 @@
 vLLM's scheduler counts every prompt token past its exact prefix as computed in this step (a KV
 connector can only extend the prefix). The plugin keeps that bookkeeping and changes the work:
 
-1. For every request whose scheduled tokens hold whole images, :func:`samcache.reuse.plan_reuse`
+1. For every request in whose scheduled tokens an image ends, :func:`samcache.reuse.plan_reuse`
    (the engine-independent planner) decides, from the images the store holds, which tokens take
    cached KV and which rows each layer computes (new rows + the layer's recompute rows).
 2. The spliced images' keys are re-rotated from their cached M-RoPE positions to the new ones
