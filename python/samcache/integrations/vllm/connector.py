@@ -207,9 +207,6 @@ class SamcacheConnector(KVConnectorBase_V1):
         if self.config.metrics_path:
             metrics.write(self.config.metrics_path)
 
-    def current_step(self) -> ForwardStep | None:
-        return self._step
-
 
 class VllmCacheWriter:
     """Writes KV into vLLM's CPU paged cache with vLLM's own op and each layer's kernel ISA."""
