@@ -83,3 +83,19 @@ def test_bench_engine_vllm_runs_vanilla_vllm_against_vllm_with_samcaches_plugin(
     assert fid[0]["kl"] < 1e-9 and fid[0]["top1_agree"]  # turn 0 reuses nothing: vLLM's own numbers
     assert all(0 <= f["kl"] < 0.1 for f in fid) and plugin["summary"]["fidelity"] is not None
     assert all("first_logprobs" not in t for t in vanilla["turns"] + plugin["turns"])  # not in results.json
+
+
+def test_the_plugin_mode_needs_samcache_installed_in_vllms_environment(tmp_path):
+    from samcache.peers.vllm_launcher import check_plugin_installed
+
+    fake = tmp_path / "python"  # a Python that has neither vLLM nor samcache's plugin
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(PeerUnavailable, match="make vllm-plugin"):
+        check_plugin_installed(fake)
+
+
+def test_the_plugin_is_installed_in_vllms_environment(vllm_python):
+    from samcache.peers.vllm_launcher import check_plugin_installed
+
+    check_plugin_installed(vllm_python)  # make test installs it (make vllm-plugin)

@@ -208,6 +208,10 @@ def run_benchmark(
         from samcache.peers.vllm_launcher import find_vllm_python
 
         vllm_python = str(find_vllm_python(vllm_python))  # a clear error now, not after the samcache modes
+        if "vllm-samcache" in peers:
+            from samcache.peers.vllm_launcher import check_plugin_installed
+
+            check_plugin_installed(vllm_python)
     if kv_cache_bytes is None:
         kv_cache_bytes = (2 << 30) if str(device).startswith("cuda") else (256 << 20)
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}

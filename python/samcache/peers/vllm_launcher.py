@@ -53,6 +53,18 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
                           f"or point {ENV_VAR} / --vllm-python at a Python that imports vllm")
 
 
+def check_plugin_installed(python: str | os.PathLike) -> None:
+    """Raise :class:`PeerUnavailable` unless vLLM's Python at ``python`` sees samcache's plugin
+    (registered under vLLM's ``vllm.general_plugins`` entry point)."""
+    code = ("from importlib.metadata import entry_points; import samcache.integrations.vllm; "
+            "assert any(p.value.startswith('samcache.') for p in entry_points(group='vllm.general_plugins'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise PeerUnavailable(f"samcache's vLLM plugin is not installed in vLLM's environment ({python}): run "
+                              "`make vllm-plugin` (pip install --no-build-isolation . with that Python)")
+
+
 def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, python: str | os.PathLike | None = None,
               threads: int | None = None, dtype: str = "float32", block_size: int = PEER_BLOCK_SIZE,
               max_model_len: int = 8192, seed: int = 0, kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (),
@@ -142,4 +154,4 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         shutil.rmtree(scratch, ignore_errors=True)  # a given log_path lies outside it
 
 
-__all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "find_vllm_python", "run_trace"]
+__all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "check_plugin_installed", "find_vllm_python", "run_trace"]
