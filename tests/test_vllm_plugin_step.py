@@ -184,6 +184,8 @@ def test_store_keys_follow_model_tenant_and_content():
     assert a != store_key(content_identifier("00fe"), Namespace(MODEL, "t"))  # other pixels
     assert store_key("client-uuid-1", Namespace(MODEL, "t")) is None   # not a content hash: never reused
     assert store_key("samcache:", Namespace(MODEL, "t")) is None
+    with pytest.raises(ValueError, match="vllm_hash must be a non-empty string"):
+        content_identifier("")
 
 
 def test_plugin_configuration_is_checked_with_clear_messages():

@@ -21,6 +21,8 @@ PREFIX = "samcache:"
 
 def content_identifier(vllm_hash: str) -> str:
     """The identifier of an image vLLM named ``vllm_hash`` from its pixels."""
+    if not isinstance(vllm_hash, str) or not vllm_hash:
+        raise ValueError(f"vllm_hash must be a non-empty string, got {vllm_hash!r}")
     return PREFIX + vllm_hash
 
 

@@ -114,7 +114,6 @@ class ForwardStep:
     select: list[torch.Tensor | None]
     slots: list[torch.Tensor]
     saves: list[PendingSave]
-    num_tokens: int
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_table: torch.Tensor
@@ -246,12 +245,14 @@ def plan_forward(
             entry = entries[slots[span.image].key]
             rows = torch.arange(base + span.start - step.start, base + span.end - step.start)
             cached_span = slice(span.offset, span.offset + span.length)
-            delta = (positions[:, rows] - entry.positions[:, cached_span]).to(torch.int64).contiguous()
+            delta = (positions[:, rows] - entry.positions[:, cached_span]).to(torch.int64)
             dst = slot_mapping[rows].to(torch.int64)
+            # Every layer's keys re-rotated in one call (the same deltas at every layer).
+            keys = entry.k[:, cached_span].clone()
+            rope_rerotate(keys.view(-1, *keys.shape[2:]), delta.repeat(1, num_layers).contiguous(),
+                          rotary.inv_freq, rotary.style, rotary.section)
             for layer in range(num_layers):
-                keys = entry.k[layer, cached_span].clone()
-                rope_rerotate(keys, delta, rotary.inv_freq, rotary.style, rotary.section)
-                cache.write(layer, keys, entry.v[layer, cached_span], dst)
+                cache.write(layer, keys[layer], entry.v[layer, cached_span], dst)
             skipped[rows.numpy()] = True
             stats["images_reused"] += 1
         if plan.recompute is not None:
@@ -262,7 +263,7 @@ def plan_forward(
         stats["recomputed_token_layers"] += plan.recomputed_token_layers
     stats["images_saved"] = len(saves)
 
-    common = dict(saves=saves, num_tokens=total, query_start_loc=qsl, seq_lens=seq,
+    common = dict(saves=saves, query_start_loc=qsl, seq_lens=seq,
                   block_table=attn_metadata.block_table, stats=stats)
     if not skipped.any():
         if not saves:
