@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv vllm-env vllm-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
+.PHONY: test demo install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -51,6 +51,34 @@ vllm-plugin: .venv-vllm/.samcache
 	  assert any(p.value.startswith('samcache.') for p in e(group='vllm.general_plugins')), 'plugin not registered'"
 	touch $@
 
+# SGLang, held to its real classes: its engine needs sgl-kernel (CPU build source-only), so sglang
+# is installed --no-deps with the light dependencies its attention, memory-pool, radix-cache,
+# HiCache, plugin and model modules import (envs/sglang-cpu.txt: it pins transformers 5.19, ours
+# 5.23), the same CPU torch and the torchvision shim. Then samcache, the way an SGLang user
+# installs it (it registers through the `sglang.srt.plugins` entry point). ~1.5 GB.
+SGLANG_PY := .venv-sglang/bin/python
+SGLANG_PIP := $(SGLANG_PY) -m pip install -q --disable-pip-version-check
+sglang-env: .venv-sglang/.ready
+.venv-sglang/.ready: envs/sglang-cpu.txt python/samcache/peers/torchvision_cpu_shim.py
+	rm -rf .venv-sglang && python3 -m venv .venv-sglang
+	$(SGLANG_PIP) $$(grep '^torch==' envs/sglang-cpu.txt)
+	$(SGLANG_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-sglang/constraints.txt
+	$(SGLANG_PIP) -c .venv-sglang/constraints.txt -r envs/sglang-cpu.txt \
+	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
+	$(SGLANG_PIP) --no-deps sglang==$$(sed -n 's/^# sglang==//p' envs/sglang-cpu.txt) torchvision==0.28.0
+	site=$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
+	$(SGLANG_PY) -c "import sglang, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+sglang-plugin: .venv-sglang/.samcache
+.venv-sglang/.samcache: .venv-sglang/.ready $(VLLM_PLUGIN_SOURCES) | sysdeps
+	$(SGLANG_PIP) --no-build-isolation -c .venv-sglang/constraints.txt \
+	  -e . -Cbuild-dir=build/sglang-env -Cbuild.verbose=false
+	$(SGLANG_PY) -c "from importlib.metadata import entry_points as e; \
+	  assert any(p.value.startswith('samcache.') for p in e(group='sglang.srt.plugins')), 'plugin not registered'"
+	touch $@
+
 # A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
 sysdeps:
 	@missing=""; \
@@ -90,10 +118,13 @@ ctest: install
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
 # SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
-pytest: install vllm-env vllm-plugin
-	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests --ignore=tests/vllm_plugin
+pytest: install vllm-env vllm-plugin sglang-env sglang-plugin
+	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests \
+	  --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin
 	@# samcache's vLLM plugin, end to end through the real vLLM: in vLLM's environment
 	$(VLLM_PY) -m pytest -q tests/vllm_plugin
+	@# samcache's SGLang plugin, on SGLang's real classes: in SGLang's environment
+	$(SGLANG_PY) -m pytest -q -p no:warnings tests/sglang_plugin
 
 test: cuda-check ctest pytest
 
@@ -163,4 +194,4 @@ gpu-7b-gui: gpu-install $(GPU_7B)/config.json
 	  --modes baseline,prefix,samcache,new-only --kv-cache-mib 8192 --quiet --out $${OUT:-/tmp}/gpu-gui-7b 2>&1 | tail -12
 
 clean:
-	rm -rf build .venv .venv-vllm
+	rm -rf build .venv .venv-vllm .venv-sglang

@@ -9,7 +9,6 @@ whole paged cache with each contiguous run of rows as one causal query block
 
 from __future__ import annotations
 
-import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from samcache.integrations.vllm import metrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
 from samcache.integrations.vllm.identity import model_fingerprint
-from samcache.integrations.vllm.step import (ForwardStep, ImageKV, ImageRef, RequestStep, Rotary, layer_index,
+from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
                                              plan_forward)
 from samcache.reuse import RecomputeBudget
 from samcache.stores import TensorStore
@@ -76,7 +76,7 @@ class SamcacheConnector(KVConnectorBase_V1):
                             "vLLM computes it (not reused, not saved)")
             return
         self.store = TensorStore("vllm-image-kv", self.config.store_bytes)
-        self._cache: CacheLayout | None = None
+        self._cache: VllmCacheWriter | None = None
         self._num_layers = 0
         self._rotary: Rotary | None = None
         self._budget: RecomputeBudget | None = None
@@ -200,7 +200,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         before = self.store.stats.evictions
         for save in step.saves:
             if len(save.k) == self._num_layers:
-                self.store.put(save.key, ImageKV(torch.stack(save.k), torch.stack(save.v), save.positions),
+                self.store.put(save.key, save.image_kv(),
                                check=(save.rows.numel(),))
         metrics.update(steps=1, **step.stats, store_evictions=self.store.stats.evictions - before)
         metrics.set_gauges(store_bytes=self.store.index.used_bytes)
@@ -236,17 +236,7 @@ class VllmCacheWriter:
 
 def rotary_of(model: Any) -> Rotary:
     """The inverse frequencies and M-RoPE sections of vLLM's Qwen2.5-VL language model."""
-    rope = model.language_model.model.layers[0].self_attn.rotary_emb
-    section = tuple(int(s) for s in (getattr(rope, "mrope_section", None) or ()))
-    if len(section) != 3 or not getattr(rope, "is_neox_style", True):
-        raise ValueError("samcache: the model's rotary embedding is not a rotate-half M-RoPE")
-    if getattr(rope, "scaling_factor", None) not in (None, 1, 1.0):
-        raise ValueError("samcache: M-RoPE with rope scaling is not supported by the vLLM plugin yet")
-    style = "mrope_interleaved" if getattr(rope, "mrope_interleaved", False) else "mrope"
-    inv_freq = rope._compute_inv_freq(rope.base).to(torch.float32)
-    if 2 * inv_freq.numel() != rope.rotary_dim or sum(section) != inv_freq.numel():
-        raise ValueError("samcache: the model's M-RoPE sections do not cover its rotary dimensions")
-    return Rotary(inv_freq.contiguous(), style, section)
+    return Rotary.of(model.language_model.model.layers[0].self_attn.rotary_emb, "vLLM")
 
 
 __all__ = ["SamcacheConnector", "SamcacheMetadata", "active_worker"]

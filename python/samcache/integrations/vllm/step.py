@@ -26,14 +26,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from samcache.errors import InvariantViolation
-from samcache.hashing import ContentKey, Namespace
-from samcache.ops.rope import rope_rerotate
+from samcache.hashing import Namespace
+from samcache.integrations.forward_plan import ImageKV, KVWriter, PendingSave, Rotary, layer_rows, splice_image
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
 from samcache.integrations.vllm.identity import store_key
 
@@ -73,28 +72,6 @@ class RequestStep:
 
 
 @dataclass
-class ImageKV:
-    """A stored image: per-layer keys (rotated at ``positions``) and values, ``[L, n, H, D]``, and
-    its M-RoPE positions ``[3, n]``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass
-class PendingSave:
-    """An image computed whole in this step, to store: its flattened ``rows`` and M-RoPE
-    ``positions`` ``[3, n]``; each layer's keys and values are captured as the layer writes them."""
-
-    key: ContentKey
-    rows: torch.Tensor
-    positions: torch.Tensor
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
 class AttentionBatch:
     """vLLM's CPU attention inputs for one set of computed rows: each contiguous run of rows of a
     request is a pseudo-request whose queries are the last ``len(run)`` of its ``seq_len`` keys."""
@@ -128,9 +105,7 @@ class ForwardStep:
         """Keep the saved images' rows of the keys and values layer ``layer`` writes (its computed
         rows, in order: every flattened row, or ``rows[layer]`` when sparse)."""
         for save in self.saves:
-            index = save.rows if self.rows is None else torch.searchsorted(self.rows[layer], save.rows)
-            save.k.append(keys.index_select(0, index))
-            save.v.append(values.index_select(0, index))
+            save.capture(None if self.rows is None else self.rows[layer], keys, values)
 
     def attention_batch(self, layer: int, make_scheduler_metadata) -> AttentionBatch:
         """The attention inputs of layer ``layer``'s rows (built once per distinct row set)."""
@@ -157,24 +132,6 @@ class ForwardStep:
             seq_lens=torch.from_numpy(seq_len.astype(np.int32)),
             block_table=self.block_table.index_select(0, torch.from_numpy(req.astype(np.int64))),
         )
-
-
-class KVWriter(Protocol):
-    """Writes keys and values ``[n, H, D]`` of decoder layer ``layer`` into the engine's paged cache
-    at ``slots`` (the engine's own cache op: its layout is its business)."""
-
-    block_size: int
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None: ...
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """What re-rotating a cached key needs: the model's inverse frequencies and M-RoPE sections."""
-
-    inv_freq: torch.Tensor
-    style: str
-    section: tuple[int, ...]
 
 
 def plan_forward(
@@ -245,14 +202,8 @@ def plan_forward(
             entry = entries[slots[span.image].key]
             rows = torch.arange(base + span.start - step.start, base + span.end - step.start)
             cached_span = slice(span.offset, span.offset + span.length)
-            delta = (positions[:, rows] - entry.positions[:, cached_span]).to(torch.int64)
-            dst = slot_mapping[rows].to(torch.int64)
-            # Every layer's keys re-rotated in one call (the same deltas at every layer).
-            keys = entry.k[:, cached_span].clone()
-            rope_rerotate(keys.view(-1, *keys.shape[2:]), delta.repeat(1, num_layers).contiguous(),
-                          rotary.inv_freq, rotary.style, rotary.section)
-            for layer in range(num_layers):
-                cache.write(layer, keys[layer], entry.v[layer, cached_span], dst)
+            splice_image(entry, cached_span, positions[:, rows], slot_mapping[rows].to(torch.int64), cache, rotary,
+                         num_layers)
             skipped[rows.numpy()] = True
             stats["images_reused"] += 1
         if plan.recompute is not None:
@@ -270,23 +221,10 @@ def plan_forward(
             return None
         stats["computed_tokens"] = stats["scheduled_tokens"]
         return ForwardStep(rows=None, select=[], slots=[], **common)
-    rows, select, slot_rows = [], [], []
+    rows, select = layer_rows(skipped, recompute, num_layers)
+    slot_rows = []
     for layer in range(num_layers):
-        keep = ~skipped
-        if recompute[layer]:
-            keep[np.concatenate(recompute[layer])] = True
-        layer_rows = torch.from_numpy(np.flatnonzero(keep))
-        if layer and torch.equal(layer_rows, rows[-1]):
-            layer_rows, sel = rows[-1], None                    # the same set: no gather, one batch
-        else:
-            sel = torch.searchsorted(rows[-1], layer_rows) if layer else None
-            if sel is not None and (sel.numel() and int(sel.max()) >= rows[-1].numel()
-                                    or not torch.equal(rows[-1][sel], layer_rows)):
-                raise InvariantViolation(f"samcache: layer {layer} computes rows layer {layer - 1} skipped "
-                                         "(recompute sets must shrink with depth)")
-        rows.append(layer_rows)
-        select.append(sel)
-        slot_rows.append(slot_mapping[layer_rows] if sel is not None or not layer else slot_rows[-1])
+        slot_rows.append(slot_mapping[rows[layer]] if select[layer] is not None or not layer else slot_rows[-1])
     stats["computed_tokens"] = stats["scheduled_tokens"] - int(skipped.sum()) + stats["recomputed_tokens"]
     return ForwardStep(rows=rows, select=select, slots=slot_rows, **common)
 

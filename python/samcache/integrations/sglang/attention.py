@@ -1,0 +1,174 @@
+"""``--attention-backend samcache``: SGLang's attention contract on samcache's batched kernel.
+
+One :class:`~samcache.ops.sparse_attention.AttentionMetadata` is built per step from SGLang's
+``req_to_token`` table (``init_forward_metadata``); every layer then runs one
+``torch.ops.samcache.sparse_attention`` call over SGLang's own KV pool, read in place (the pool's
+``[tokens, heads, dim]`` buffer viewed as pages of ``page_size`` tokens), for EXTEND (with cached
+prefixes), DECODE and MIXED batches alike: a query row sees the keys of its sequence up to its own
+position.
+
+The sparse path: while samcache's model override runs a layer on a subset of the step's rows (new
+tokens + that layer's recompute rows; spliced image rows skipped), it hands the backend those rows
+(:meth:`SamcacheAttnBackend.use_rows`). The backend then writes only those rows' keys and values and
+attends for those rows only, each at its own position: the same kernel, fewer rows.
+
+CUDA graphs are not supported yet (the metadata is built on the host each step, with a size that
+varies); SGLang must run with ``--cuda-graph-backend-decode=disabled
+--cuda-graph-backend-prefill=disabled`` (the hooks below say so when called).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from samcache.ops.sparse_attention import AttentionMetadata, sparse_attention
+
+_NO_CUDA_GRAPH = ("samcache's attention backend does not support CUDA graphs yet (its metadata is built on the host "
+                  "every step); run SGLang with --cuda-graph-backend-decode=disabled "
+                  "--cuda-graph-backend-prefill=disabled (older releases: --disable-cuda-graph)")
+
+
+@dataclass
+class StepMetadata:
+    """The batch of one step: every query row's position and each sequence's pages."""
+
+    attention: AttentionMetadata
+    qo_indptr: np.ndarray                 # [B+1] rows of each sequence (host copy)
+    _selected: dict[int, tuple[AttentionMetadata, torch.Tensor]] = field(default_factory=dict)
+
+
+class SamcacheAttnBackend(AttentionBackend):
+    """SGLang ``AttentionBackend`` over samcache's ``sparse_attention`` kernel."""
+
+    def __init__(self, model_runner) -> None:
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = int(getattr(self.token_to_kv_pool, "page_size", 1) or 1)
+        if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):
+            raise ValueError("samcache attention backend: quantized KV caches (--kv-cache-dtype fp8/fp4) are not "
+                             "supported; use the model's dtype")
+        self.forward_metadata: StepMetadata | None = None
+        self._rows: list[torch.Tensor] | None = None
+
+    # -- per step ------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        self._rows = None
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if forward_batch.encoder_lens is not None:
+            raise NotImplementedError("samcache attention backend: encoder-decoder (cross-attention) models are not "
+                                      "supported")
+        seq = _host(forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens)
+        if mode.is_decode():
+            prefix = seq - 1
+        elif mode.is_extend():
+            prefix = _host(forward_batch.extend_prefix_lens_cpu if forward_batch.extend_prefix_lens_cpu is not None
+                           else forward_batch.extend_prefix_lens)
+        else:
+            raise NotImplementedError(f"samcache attention backend: forward mode {mode.name} is not supported")
+        req_to_token = self.req_to_token_pool.req_to_token
+        pools = _host(forward_batch.req_pool_indices)
+        ps = self.page_size
+        positions, tables = [], []
+        for r, n, p in zip(pools, seq, prefix):
+            positions.append(np.arange(p, n))
+            slots = req_to_token[r, : n].cpu().numpy() if n else np.zeros(0, np.int64)
+            # Page-aligned pools keep a page's tokens contiguous: its first slot names the page.
+            tables.append(slots[::ps] // ps)
+        meta = AttentionMetadata.build(positions, tables, [int(n) for n in seq], ps, device=self.device)
+        self.forward_metadata = StepMetadata(meta, np.concatenate([[0], np.cumsum(seq - prefix)]).astype(np.int64))
+
+    def use_rows(self, rows: list[torch.Tensor] | None) -> None:
+        """Restrict each layer to the step's rows ``rows[layer_id]`` (sorted flattened row indices;
+        None: every row). Set by the model override for one forward, cleared by the next step."""
+        self._rows = rows
+
+    # -- per layer -----------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache):
+        if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:
+            raise NotImplementedError("samcache attention backend: only causal decoder self-attention is supported")
+        if layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError("samcache attention backend: q/k and v head sizes must be equal")
+        step = self.forward_metadata
+        if step is None:
+            raise RuntimeError("samcache attention backend: init_forward_metadata was not called for this batch")
+        meta, loc = step.attention, forward_batch.out_cache_loc
+        if self._rows is not None:
+            meta, loc = self._selection(self._rows[layer.layer_id], forward_batch)
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, heads, dim)
+        if q3.size(0) != meta.q_pos.numel():
+            raise ValueError(f"samcache attention backend: {q3.size(0)} query rows for a batch of "
+                             f"{meta.q_pos.numel()} rows")
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+        key_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+        value_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id))
+        window = layer.sliding_window_size
+        # SGLang's window keeps keys j >= i - w; samcache's keeps j > i - window.
+        window = int(window) + 1 if window is not None and window > -1 else -1
+        out, _ = sparse_attention(q3.to(key_cache.dtype).contiguous(), meta, key_cache, value_cache,
+                                  scale=layer.scaling, window=window, logit_cap=float(layer.logit_cap or 0.0))
+        return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+    def _selection(self, rows: torch.Tensor, forward_batch) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The metadata and cache slots of a row subset (built once per distinct subset)."""
+        step = self.forward_metadata
+        hit = step._selected.get(id(rows))
+        if hit is None:
+            counts = np.diff(np.searchsorted(rows.numpy(), step.qo_indptr))
+            hit = (step.attention.select(rows.to(step.attention.q_pos.device), counts),
+                   forward_batch.out_cache_loc.index_select(0, rows.to(forward_batch.out_cache_loc.device)))
+            step._selected[id(rows)] = hit
+        return hit
+
+    def _paged(self, buffer: torch.Tensor) -> torch.Tensor:
+        """SGLang's ``[tokens, heads, dim]`` buffer as ``[pages, page_size, heads, dim]`` (a view)."""
+        return buffer.view(-1, self.page_size, *buffer.shape[1:])
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        raise NotImplementedError(_NO_CUDA_GRAPH)
+
+    def init_forward_metadata_capture_cuda_graph(self, *args, **kwargs):
+        raise NotImplementedError(_NO_CUDA_GRAPH)
+
+    def init_forward_metadata_replay_cuda_graph(self, *args, **kwargs):
+        raise NotImplementedError(_NO_CUDA_GRAPH)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        raise NotImplementedError(_NO_CUDA_GRAPH)
+
+    def support_triton(self):
+        return False
+
+
+def _host(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().numpy().astype(np.int64)
+    return np.asarray(t, dtype=np.int64)
+
+
+def create_samcache_backend(model_runner) -> SamcacheAttnBackend:
+    """The factory SGLang's attention registry calls for ``--attention-backend samcache``."""
+    return SamcacheAttnBackend(model_runner)
+
+
+__all__ = ["SamcacheAttnBackend", "StepMetadata", "create_samcache_backend"]

@@ -1,0 +1,69 @@
+"""Image identity inside SGLang: per-image content keys, not SGLang's whole-item pad values.
+
+SGLang names a multimodal item by a 64-bit hash of its features and writes pad values derived from
+it over the item's tokens, so its radix cache matches an image only inside an identical prefix, and
+one item may bundle several images. samcache names every image on its own: an xxh3-128 hash of its
+pixel patches (the processor's ``pixel_values`` rows of that image), its patch grid and their dtype,
+under the :class:`~samcache.hashing.Namespace` of the model fingerprint and the request's tenant.
+One changed pixel is another image; another model or tenant never hits. Items that carry no pixels
+(precomputed embeddings, features already dropped) name nothing and are never reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from samcache.hashing import ContentHash, hash_bytes
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Image tokens ``[offset, offset + length)`` of a request's prompt and the image's content hash
+    (None: not nameable by content, never reused)."""
+
+    content: ContentHash | None
+    offset: int
+    length: int
+
+
+def _grid(item: Any) -> np.ndarray | None:
+    data = getattr(item, "model_specific_data", None) or {}
+    grid = data.get("image_grid_thw") if hasattr(data, "get") else None
+    if grid is None:
+        return None
+    return np.asarray(grid.cpu() if isinstance(grid, torch.Tensor) else grid, dtype=np.int64).reshape(-1, 3)
+
+
+def image_refs(mm_inputs: Any) -> list[ImageRef]:
+    """Every image of a request (SGLang's ``MultimodalInputs``), split out of bundled items."""
+    refs: list[ImageRef] = []
+    for item in getattr(mm_inputs, "mm_items", None) or ():
+        if not item.is_image() or not item.offsets:
+            continue
+        grid = _grid(item)
+        feature = item.feature if isinstance(item.feature, torch.Tensor) else None
+        nameable = grid is not None and feature is not None and feature.dim() == 2 and grid.shape[0] == len(item.offsets)
+        patches = np.concatenate([[0], np.cumsum(grid.prod(axis=1))]) if nameable else None
+        if nameable and patches[-1] != feature.shape[0]:
+            nameable = False  # rows that do not add up to the grids: not a layout we can split
+        for i, (start, end) in enumerate(item.offsets):  # SGLang's offsets are inclusive
+            content = None
+            if nameable:
+                rows = feature[int(patches[i]): int(patches[i + 1])].detach().contiguous().cpu()
+                pixels = hash_bytes(memoryview(rows.view(-1).view(torch.uint8).numpy()))
+                content = hash_bytes(grid[i].tobytes() + str(rows.dtype).encode() + b"|" + pixels.digest)
+            refs.append(ImageRef(content, int(start), int(end) - int(start) + 1))
+    return refs
+
+
+def model_fingerprint(config: Any, dtype: torch.dtype) -> str:
+    """What an image's KV depends on besides its pixels: the checkpoint, its architecture, the dtype."""
+    archs = ",".join(getattr(config, "architectures", None) or [])
+    return f"sglang|{getattr(config, '_name_or_path', '')}|{archs}|{dtype}"
+
+
+__all__ = ["ImageRef", "image_refs", "model_fingerprint"]

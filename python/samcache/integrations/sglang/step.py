@@ -1,0 +1,185 @@
+"""One SGLang EXTEND (or MIXED) forward under the plugin: the reuse plans of its requests, executed
+on SGLang's KV pool.
+
+SGLang hands the model every request's extend range (``extend_prefix_lens`` / ``extend_seq_lens``:
+the radix cache already holds the prefix), its KV slots (``out_cache_loc``), its M-RoPE positions
+and its images (``mm_inputs``). For every request whose extend range holds whole images:
+
+1. :func:`samcache.reuse.plan_reuse` (the engine-independent planner, the reference engine's)
+   decides from the images the store holds which tokens take cached KV and which rows each layer
+   computes (new rows + the layer's recompute rows);
+2. the spliced images' keys are re-rotated to their new ``mrope_positions`` and written, with their
+   values, into the request's slots through SGLang's own ``set_kv_buffer``;
+3. the model override runs each layer on its rows only, and the ``samcache`` attention backend
+   attends for those rows at their own positions (:meth:`SglangStep.rows`);
+4. images computed whole in this step and not yet stored are read back from the pool after the
+   forward (every layer's keys and values sit at their slots) and stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from samcache.hashing import ContentKey, Namespace
+from samcache.integrations.forward_plan import ImageKV, Rotary, layer_rows, splice_image
+from samcache.integrations.sglang.identity import image_refs
+from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
+
+
+@dataclass
+class ReuseStats:
+    """What the plugin did, summed over steps (one per process: ``samcache.integrations.sglang.stats()``)."""
+
+    steps: int = 0                 # extend steps that reused or saved images
+    scheduled_tokens: int = 0      # extend tokens of the requests planned
+    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
+    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
+    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
+    recomputed_token_layers: int = 0
+    images_reused: int = 0
+    images_saved: int = 0
+    images_missed: int = 0
+
+    def add(self, other: "ReuseStats") -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+@dataclass
+class PendingImage:
+    """An image computed whole this step: its flattened rows and M-RoPE positions, to store."""
+
+    key: ContentKey
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class SglangStep:
+    """The executed plan of one forward. ``rows[l]``: flattened rows layer ``l`` computes (None:
+    every row, SGLang's own path); ``select[l]``: their positions among ``rows[l - 1]``."""
+
+    rows: list[torch.Tensor] | None
+    select: list[torch.Tensor | None]
+    saves: list[PendingImage]
+    stats: ReuseStats = field(default_factory=ReuseStats)
+
+    @property
+    def sparse(self) -> bool:
+        return self.rows is not None
+
+
+class PoolWriter:
+    """Writes a layer's keys and values into SGLang's KV pool through its own ``set_kv_buffer``."""
+
+    def __init__(self, pool: Any, attention_layers: Sequence[Any]) -> None:
+        self.pool = pool
+        self.layers = list(attention_layers)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        dtype = self.pool.get_key_buffer(layer).dtype
+        self.pool.set_kv_buffer(self.layers[layer], KVWriteLoc(slots, None), keys.to(dtype), values.to(dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.get_key_buffer(layer)[slots].clone(), self.pool.get_value_buffer(layer)[slots].clone()
+
+
+def _host(values: Any) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy().astype(np.int64)
+    return np.asarray(values, dtype=np.int64)
+
+
+def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: Any,
+              namespace_of: Callable[[int], Namespace], budget: RecomputeBudget | None,
+              num_layers: int) -> SglangStep | None:
+    """Plan and prepare one extend forward: splice the stored images into the pool, pick each
+    layer's rows, list the images to save. None when nothing is to be done."""
+    mm_inputs = forward_batch.mm_inputs
+    positions = forward_batch.mrope_positions
+    if not mm_inputs or positions is None or positions.dim() != 2 or positions.size(0) != 3:
+        return None
+    prefix = _host(forward_batch.extend_prefix_lens_cpu if forward_batch.extend_prefix_lens_cpu is not None
+                   else forward_batch.extend_prefix_lens)
+    lens = _host(forward_batch.extend_seq_lens_cpu if forward_batch.extend_seq_lens_cpu is not None
+                 else forward_batch.extend_seq_lens)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    total = int(starts[-1])
+    if positions.size(1) != total:
+        return None
+    slots = forward_batch.out_cache_loc
+    stats = ReuseStats()
+    saves: list[PendingImage] = []
+    skipped = np.zeros(total, dtype=bool)
+    recompute: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
+    for b, inputs in enumerate(mm_inputs):
+        if inputs is None:
+            continue
+        begin, end, base = int(prefix[b]), int(prefix[b] + lens[b]), int(starts[b])
+        namespace = namespace_of(b)
+        image_slots, entries = [], {}
+        for ref in image_refs(inputs):
+            if ref.offset < begin or ref.offset + ref.length > end or ref.content is None:
+                continue  # in the cached prefix, cut by a chunk boundary, or not nameable: SGLang computes it
+            key = namespace.key(ref.content)
+            if key in entries or any(p.key == key for p in saves):
+                continue
+            entry = store.get(key, check=(ref.length,))
+            if entry is None:
+                stats.images_missed += 1
+                rows = torch.arange(base + ref.offset - begin, base + ref.offset - begin + ref.length)
+                saves.append(PendingImage(key, rows, positions[:, rows].cpu().clone()))
+                continue
+            entries[key] = entry
+            # The planner's position only sets its span delta; keys move by per-token deltas below.
+            image_slots.append(ImageSlot(len(image_slots), ref.offset, ref.length, key, int(entry.positions[0, 0])))
+        stats.scheduled_tokens += end - begin
+        if not entries:
+            continue
+        layout = PromptLayout(num_tokens=end, images=tuple(image_slots))
+        cached = {key: CachedImage(e.k.size(1), int(e.positions[0, 0])) for key, e in entries.items()}
+        plan = plan_reuse(layout, prefix_tokens=begin, cached=cached, budget=budget, num_layers=num_layers)
+        for span in plan.spliced:
+            entry = entries[image_slots[span.image].key]
+            rows = torch.arange(base + span.start - begin, base + span.end - begin)
+            splice_image(entry, slice(span.offset, span.offset + span.length), positions[:, rows].cpu(),
+                         slots[rows.to(slots.device)], cache, rotary, num_layers)
+            skipped[rows.numpy()] = True
+            stats.images_reused += 1
+        if plan.recompute is not None:
+            for layer in range(num_layers):
+                recompute[layer].append(plan.recompute.positions(layer).astype(np.int64) + base - begin)
+        stats.reused_tokens += plan.image_reused_tokens
+        stats.recomputed_tokens += plan.recomputed_tokens
+        stats.recomputed_token_layers += plan.recomputed_token_layers
+    stats.images_saved = len(saves)
+    if not skipped.any():
+        if not saves:
+            return None
+        stats.computed_tokens = stats.scheduled_tokens
+        stats.steps = 1
+        return SglangStep(rows=None, select=[], saves=saves, stats=stats)
+    # Each request's last row is always computed: SGLang samples from it.
+    last = (starts[1:] - 1)[lens > 0]
+    rows, select = layer_rows(skipped, recompute, num_layers, always=last)
+    stats.computed_tokens = int(rows[0].numel())
+    stats.steps = 1
+    return SglangStep(rows=rows, select=select, saves=saves, stats=stats)
+
+
+def save_images(step: SglangStep, forward_batch: Any, cache: PoolWriter, store: Any, num_layers: int) -> None:
+    """Store the images computed whole in this step, read back from the pool's slots."""
+    for save in step.saves:
+        slots = forward_batch.out_cache_loc[save.rows.to(forward_batch.out_cache_loc.device)]
+        ks, vs = zip(*(cache.read(layer, slots) for layer in range(num_layers)))
+        store.put(save.key, ImageKV(torch.stack(ks), torch.stack(vs), save.positions), check=(save.rows.numel(),))
+
+
+__all__ = ["PendingImage", "PoolWriter", "ReuseStats", "SglangStep", "plan_step", "save_images"]

@@ -1,0 +1,214 @@
+"""samcache's Qwen2.5-VL and Qwen3-VL-MoE overrides, run as SGLang's own model classes on a tiny config through SGLang's
+real pools, ForwardBatch and RadixAttention (tests/sglang_plugin/sglang_harness.py).
+
+A first request stores its images; a second one carries the same images after another prefix (new
+positions). At recompute ratio 1.0 its logits equal the stock model's (SGLang's class, its
+torch_native backend); at 0.05 they match within a next-token KL of 0.05 while the decoder computes
+far fewer rows. Other pixels, another tenant or another model never reuse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sglang_harness as H
+from samcache.hashing import Namespace
+from samcache.integrations.settings import ReuseSettings
+from samcache.integrations.sglang.attention import SamcacheAttnBackend
+from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Qwen25Override
+from samcache.integrations.sglang.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration as Qwen3MoeOverride
+from samcache.integrations.sglang.reuse import ModelReuse
+from samcache.stores import TensorStore
+
+GRID_A, GRID_B = (1, 8, 8), (1, 8, 12)  # 16 and 24 image tokens
+
+# Per architecture: its tiny config, SGLang's class, samcache's override, the weights' source.
+ARCHS = {
+    "qwen2_5_vl": (H.tiny_qwen2_5_vl_config, H.build_qwen2_5_vl, Qwen25Override, H.hf_reference_qwen2_5_vl),
+    "qwen3_vl_moe": (H.tiny_qwen3_vl_moe_config, H.build_qwen3_vl_moe, Qwen3MoeOverride,
+                     lambda c, s: H._CheckpointLayoutState(H.hf_reference_qwen3_vl_moe(c, s))),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_vit_cache():
+    """SGLang's ViT-output cache is per process and keyed by pixels: a test's models must not read
+    another test's (differently seeded) vision outputs."""
+    H.setup_sglang()
+    H.reset_mm_embedding_cache()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request):
+    H.setup_sglang()
+    make_config, build_stock, override_cls, weights = ARCHS[request.param]
+    config = make_config()
+    return config, build_stock(config, seed=0), override_cls, weights
+
+
+def _override(arch, settings: ReuseSettings, store=None, seed=0):
+    config, _, override_cls, weights = arch
+    model = H._build_from_hf(override_cls, config, seed, weights)
+    model._samcache_reuse = ModelReuse(model, settings, store if store is not None else TensorStore("t", 1 << 28))
+    return model
+
+
+def _prompts(config, *, first_prefix, second_prefix, pixel_seed=0, second_seed=None):
+    first = H.prompt_with_images(config, [first_prefix, GRID_A, [7, 8, 9], GRID_B, [10, 11, 12]], seed=pixel_seed)
+    second = H.prompt_with_images(config, [second_prefix, GRID_B, [20, 21], GRID_A, [13, 14, 15, 16]],
+                                  seed=pixel_seed if second_seed is None else second_seed)
+    # The second prompt's images are the first's in another order: swap their pixels to match.
+    ids, items = second
+    if second_seed is None:
+        items[0].feature, items[1].feature = first[1][1].feature.clone(), first[1][0].feature.clone()
+    return first, (ids, items)
+
+
+def _run(model, prompt, backend_factory=None, pools=None):
+    pools = pools or H.Pools.for_model(model, backend_factory=backend_factory)
+    req = H.Request.create(model, pools, *prompt)
+    out = H.run_batch(model, pools, [req.extend()])
+    return out, req, pools
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double().flatten(), 0)
+    q = torch.log_softmax(q_logits.double().flatten(), 0)
+    return float((p.exp() * (p - q)).sum())
+
+
+def _reuse_second(arch, settings, **prompt_kw):
+    config, stock = arch[0], arch[1]
+    model = _override(arch, settings)
+    first, second = _prompts(config, **prompt_kw)
+    _run(model, first, SamcacheAttnBackend)                     # stores both images
+    assert len(model._samcache_reuse.store) == 2
+    got, req, pools = _run(model, second, SamcacheAttnBackend)
+    want, _, _ = _run(stock, second)
+    return model, got, want, req, pools
+
+
+def test_ratio_one_equals_stock_model(arch):
+    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(recompute_ratio=1.0),
+                                           first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8])
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_reuse_at_new_positions_within_kl(arch):
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    reset_stats()
+    model, got, want, req, pools = _reuse_second(arch, ReuseSettings(recompute_ratio=0.05),
+                                                 first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
+    s = stats()
+    assert s.images_reused == 2 and s.images_saved == 2 and s.reused_tokens == 40
+    assert s.computed_tokens < s.scheduled_tokens  # spliced rows skipped by the decoder
+    kl = _kl(want.next_token_logits, got.next_token_logits)
+    print(f"next-token KL {kl:.2e}; decoder rows {s.computed_tokens} of {s.scheduled_tokens}")
+    assert kl < 0.05, kl
+    # Decoding continues on the spliced cache.
+    token = int(got.next_token_logits.argmax())
+    step = H.run_batch(model, pools, [req.decode(token)], mode="decode")
+    assert torch.isfinite(step.next_token_logits).all()
+
+
+def test_other_pixels_are_not_reused(arch):
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    reset_stats()
+    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(recompute_ratio=0.0),
+                                           first_prefix=[1, 2, 3], second_prefix=[4, 5], second_seed=99)
+    assert stats().images_reused == 0
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_other_tenant_or_model_is_not_reused(arch):
+    config, stock = arch[0], arch[1]
+    store = TensorStore("shared", 1 << 28)
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5])
+    acme = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="acme"), store)
+    _run(acme, first, SamcacheAttnBackend)
+    other = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="globex"), store)
+    before = len(store)
+    got, _, _ = _run(other, second, SamcacheAttnBackend)
+    want, _, _ = _run(stock, second)
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+    assert len(store) == before + 2  # globex computed and stored its own
+    # The same weights under another checkpoint name is another model.
+    renamed = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="acme"), store)
+    renamed._samcache_reuse.model_id += "|other-checkpoint"
+    got, _, _ = _run(renamed, second, SamcacheAttnBackend)
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+    # A request's extra_key (cache salt) is its tenant: same config tenant, other salt, no reuse.
+    keys = acme._samcache_reuse.namespace_of(type("FB", (), {"samcache_extra_keys": ["salt-1"]})())
+    assert keys(0) != Namespace(acme._samcache_reuse.model_id, "acme")
+
+
+def test_batch_mixes_reuse_and_plain_requests(arch):
+    config, stock = arch[0], arch[1]
+    model = _override(arch, ReuseSettings(recompute_ratio=1.0))
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6])
+    _run(model, first, SamcacheAttnBackend)
+    text_only = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [])
+    pools = H.Pools.for_model(model, backend_factory=SamcacheAttnBackend)
+    reqs = [H.Request.create(model, pools, *second), H.Request.create(model, pools, text_only[0], None)]
+    got = H.run_batch(model, pools, [r.extend() for r in reqs])
+    for i, prompt in enumerate([second, (text_only[0], None)]):
+        want, _, _ = _run(stock, prompt)
+        torch.testing.assert_close(got.next_token_logits[i], want.next_token_logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_other_backend_falls_back_to_sglang(arch):
+    config, stock = arch[0], arch[1]
+    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5])
+    _run(model, first)              # torch_native: the override stays SGLang's own path
+    assert len(model._samcache_reuse.store) == 0
+    got, _, _ = _run(model, second)
+    want, _, _ = _run(stock, second)
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=0, rtol=0)
+
+
+def test_one_layer_model_splice_is_exact():
+    """With one decoder layer an image's keys and values depend only on its pixels and positions:
+    spliced at new positions with nothing recomputed, the logits must equal the stock model's (this
+    fails if the keys are not re-rotated to their new M-RoPE positions, or land in wrong slots)."""
+    cfg = H.tiny_qwen2_5_vl_config(text_config={"num_hidden_layers": 1})
+    stock = H.build_qwen2_5_vl(cfg, seed=3)
+    model = _override((cfg, stock, Qwen25Override, H.hf_reference_qwen2_5_vl), ReuseSettings(recompute_ratio=0.0),
+                      seed=3)
+    first, second = _prompts(cfg, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 10, 11])
+    _run(model, first, SamcacheAttnBackend)
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    reset_stats()
+    got, _, _ = _run(model, second, SamcacheAttnBackend)
+    want, _, _ = _run(stock, second)
+    s = stats()
+    assert s.images_reused == 2 and s.recomputed_tokens == 0 and s.computed_tokens == s.scheduled_tokens - 40
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_spliced_first_layer_kv_equals_computed(arch):
+    """The first layer's keys and values of an image depend only on its pixels and positions: the
+    spliced ones (cached at other positions, re-rotated with the architecture's M-RoPE: sectioned
+    for Qwen2.5-VL, interleaved for Qwen3-VL) must equal what the stock model computes in place."""
+    config, stock = arch[0], arch[1]
+    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 10])
+    _run(model, first, SamcacheAttnBackend)
+    _, got_req, got_pools = _run(model, second, SamcacheAttnBackend)
+    _, want_req, want_pools = _run(stock, second)
+    ids = torch.tensor(second[0])
+    image_rows = torch.nonzero(ids == config.image_token_id).flatten()
+    assert image_rows.numel() == 40
+    for pools, req, name in ((got_pools, got_req, "got"), (want_pools, want_req, "want")):
+        slots = pools.req_to_token[req.row, image_rows].long()
+        kv = (pools.token_to_kv_pool.get_key_buffer(0)[slots], pools.token_to_kv_pool.get_value_buffer(0)[slots])
+        if name == "got":
+            got_kv = kv
+        else:
+            want_kv = kv
+    torch.testing.assert_close(got_kv[0], want_kv[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_kv[1], want_kv[1], atol=2e-5, rtol=2e-5)
