@@ -113,7 +113,7 @@ def setup_sglang(master_port: int = 29651) -> None:
       that ``ColumnParallelLinear`` & co. query even at tp=1.
     """
     global _SETUP_DONE
-    if _SETUP_DONE:
+    if _SETUP_DONE and _context_published():
         return
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         raise RuntimeError(
@@ -144,6 +144,10 @@ def setup_sglang(master_port: int = 29651) -> None:
 
     if not torch.distributed.is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    if model_parallel_is_initialized() and not _context_published():
+        # Another test reset SGLang's runtime context (e.g. around its own published ServerArgs):
+        # rebuild the groups so they are written into a fresh context again.
+        parallel_state.destroy_model_parallel()
     if not model_parallel_is_initialized():
         reset_context()
         publish(
@@ -164,6 +168,17 @@ def setup_sglang(master_port: int = 29651) -> None:
     reset_mm_embedding_cache()
     torch.set_default_dtype(DTYPE)
     _SETUP_DONE = True
+
+
+def _context_published() -> bool:
+    """Whether SGLang's runtime context still holds the groups this set-up wrote."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        get_parallel().pp_group
+    except Exception:  # noqa: BLE001 - SGLang raises RuntimeError for a name not written
+        return False
+    return True
 
 
 def reset_mm_embedding_cache(max_size_bytes: Optional[int] = None) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from samcache.hashing import Namespace
+from samcache.hashing import hash_bytes
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.sglang.attention import SamcacheAttnBackend
 from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Qwen25Override
@@ -66,9 +66,10 @@ def _prompts(config, *, first_prefix, second_prefix, pixel_seed=0, second_seed=N
 
 
 def _run(model, prompt, backend_factory=None, pools=None):
+    """One request's extend step (SGLang samples its last row: no full hidden-state capture)."""
     pools = pools or H.Pools.for_model(model, backend_factory=backend_factory)
     req = H.Request.create(model, pools, *prompt)
-    out = H.run_batch(model, pools, [req.extend()])
+    out = H.run_batch(model, pools, [req.extend()], capture_full_hidden=False)
     return out, req, pools
 
 
@@ -109,7 +110,7 @@ def test_reuse_at_new_positions_within_kl(arch):
     assert kl < 0.05, kl
     # Decoding continues on the spliced cache.
     token = int(got.next_token_logits.argmax())
-    step = H.run_batch(model, pools, [req.decode(token)], mode="decode")
+    step = H.run_batch(model, pools, [req.decode(token)], mode="decode", capture_full_hidden=False)
     assert torch.isfinite(step.next_token_logits).all()
 
 
@@ -140,9 +141,11 @@ def test_other_tenant_or_model_is_not_reused(arch):
     renamed._samcache_reuse.model_id += "|other-checkpoint"
     got, _, _ = _run(renamed, second, SamcacheAttnBackend)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
-    # A request's extra_key (cache salt) is its tenant: same config tenant, other salt, no reuse.
-    keys = acme._samcache_reuse.namespace_of(type("FB", (), {"samcache_extra_keys": ["salt-1"]})())
-    assert keys(0) != Namespace(acme._samcache_reuse.model_id, "acme")
+    # A request's extra_key and cache_salt join its tenant: same configured tenant, other salt, other keys.
+    content = hash_bytes(b"an image")
+    salted = acme._samcache_reuse.namespace_of(type("FB", (), {"samcache_extra_keys": [(None, "salt-1")]})())
+    plain = acme._samcache_reuse.namespace_of(type("FB", (), {})())
+    assert salted(0).key(content) != plain(0).key(content)
 
 
 def test_batch_mixes_reuse_and_plain_requests(arch):
@@ -153,7 +156,7 @@ def test_batch_mixes_reuse_and_plain_requests(arch):
     text_only = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [])
     pools = H.Pools.for_model(model, backend_factory=SamcacheAttnBackend)
     reqs = [H.Request.create(model, pools, *second), H.Request.create(model, pools, text_only[0], None)]
-    got = H.run_batch(model, pools, [r.extend() for r in reqs])
+    got = H.run_batch(model, pools, [r.extend() for r in reqs], capture_full_hidden=False)
     for i, prompt in enumerate([second, (text_only[0], None)]):
         want, _, _ = _run(stock, prompt)
         torch.testing.assert_close(got.next_token_logits[i], want.next_token_logits[0], atol=1e-4, rtol=1e-4)
@@ -212,3 +215,26 @@ def test_spliced_first_layer_kv_equals_computed(arch):
             want_kv = kv
     torch.testing.assert_close(got_kv[0], want_kv[0], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got_kv[1], want_kv[1], atol=2e-5, rtol=2e-5)
+
+
+def test_rows_shrinking_with_depth_are_exact_for_an_identical_context(arch):
+    """Layer-aware rates (every image row recomputed at the first layer, fewer deeper): the layer
+    stack runs on row sets that shrink, so SGLang's residual stream is gathered between layers. The
+    same prompt sent again as a new request (no prefix hit) has the same context at the same
+    positions, so the spliced KV is exactly what would be computed: the logits must equal the stock
+    model's."""
+    config, stock = arch[0], arch[1]
+    layers = H.text_config_of(stock).num_hidden_layers
+    rates = [1.0] + [0.5] * (layers - 2) + [0.0]
+    model = _override(arch, ReuseSettings(recompute_rates=rates))
+    first, _ = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4])
+    _run(model, first, SamcacheAttnBackend)
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    reset_stats()
+    got, _, _ = _run(model, first, SamcacheAttnBackend)
+    want, _, _ = _run(stock, first)
+    s = stats()
+    assert s.images_reused == 2 and s.recomputed_tokens == 40           # every image row at the first layer
+    assert s.recomputed_token_layers < 40 * layers                      # fewer deeper: rows were gathered
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)

@@ -87,8 +87,9 @@ def test_registration_refuses_an_unsupported_sglang_in_a_fresh_process():
     assert "REGISTERED False" in out.stdout
 
 
-def test_batch_hook_records_each_requests_extra_key():
+def test_batch_hook_records_each_requests_isolation_keys():
     forward_batch = types.SimpleNamespace()
-    batch = types.SimpleNamespace(reqs=[types.SimpleNamespace(extra_key="salt-a"), types.SimpleNamespace(extra_key=None)])
+    batch = types.SimpleNamespace(reqs=[types.SimpleNamespace(extra_key="lora-a", cache_salt="salt-a"),
+                                        types.SimpleNamespace(extra_key=None, cache_salt=None)])
     assert plugin._record_extra_keys(forward_batch, object, batch, None) is forward_batch
-    assert forward_batch.samcache_extra_keys == ["salt-a", None]
+    assert forward_batch.samcache_extra_keys == [("lora-a", "salt-a"), (None, None)]

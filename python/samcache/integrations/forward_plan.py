@@ -91,8 +91,8 @@ def splice_image(entry: ImageKV, cached_span: slice, new_positions: torch.Tensor
                  cache: KVWriter, rotary: Rotary, num_layers: int) -> None:
     """Write tokens ``cached_span`` of a stored image into the cache at ``slots``, their keys moved
     from the cached positions to ``new_positions`` ``[3, n]`` (per-token, per-axis deltas)."""
-    delta = (new_positions - entry.positions[:, cached_span].to(new_positions.device)).to(torch.int64).cpu()
     keys = entry.k[:, cached_span].clone()
+    delta = (new_positions.to(keys.device) - entry.positions[:, cached_span].to(keys.device)).to(torch.int64)
     # Every layer's keys re-rotated in one call (the same deltas at every layer).
     rope_rerotate(keys.view(-1, *keys.shape[2:]), delta.repeat(1, num_layers).contiguous(),
                   rotary.inv_freq.to(keys.device), rotary.style, rotary.section)

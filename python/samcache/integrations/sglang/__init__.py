@@ -10,8 +10,8 @@ SGLang's own registries it adds
 - the radix-cache backend ``samcache`` (``--radix-cache-backend samcache``, :mod:`.radix`);
 - a HiCache storage backend over samcache's store (``--hicache-storage-backend dynamic`` with
   ``module_path`` ``samcache.integrations.sglang.hicache``, :mod:`.hicache`);
-- a hook that records each request's ``extra_key`` (SGLang's cache isolation key: cache salt, LoRA)
-  on the forward batch, so image KV is reused only within a tenant.
+- a hook that records each request's ``extra_key`` and ``cache_salt`` (SGLang's cache isolation
+  keys) on the forward batch, so image KV is reused only within a tenant.
 
 A user runs::
 
@@ -54,11 +54,13 @@ def check_version(version: str) -> None:
 
 
 def _record_extra_keys(forward_batch, *args, **kwargs):
-    """AFTER hook of ``ForwardBatch.init_new``: keep each request's ``extra_key`` (its tenant)."""
+    """AFTER hook of ``ForwardBatch.init_new``: keep each request's isolation keys (SGLang's
+    ``extra_key`` and ``cache_salt``): together with the configured tenant, its tenant."""
     batch = next((a for a in args if hasattr(a, "reqs")), kwargs.get("batch"))
     reqs = getattr(batch, "reqs", None)
     if forward_batch is not None and reqs is not None:
-        forward_batch.samcache_extra_keys = [getattr(r, "extra_key", None) for r in reqs]
+        forward_batch.samcache_extra_keys = [(getattr(r, "extra_key", None), getattr(r, "cache_salt", None))
+                                             for r in reqs]
     return forward_batch
 
 
@@ -68,13 +70,14 @@ def register() -> None:
     if _registered or os.environ.get("SAMCACHE_SGLANG_PLUGIN", "1") == "0":
         return
     import sglang
+
+    check_version(sglang.__version__)  # before any import that only a supported release has
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    check_version(sglang.__version__)
     from samcache.integrations.sglang.attention import create_samcache_backend
     from samcache.integrations.sglang.reuse import settings_from_env
 

@@ -70,6 +70,8 @@ class SamcacheAttnBackend(AttentionBackend):
             raise NotImplementedError("samcache attention backend: encoder-decoder (cross-attention) models are not "
                                       "supported")
         seq = _host(forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens)
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError("samcache attention backend: speculative decoding is not supported")
         if mode.is_decode():
             prefix = seq - 1
         elif mode.is_extend():
@@ -78,14 +80,16 @@ class SamcacheAttnBackend(AttentionBackend):
         else:
             raise NotImplementedError(f"samcache attention backend: forward mode {mode.name} is not supported")
         req_to_token = self.req_to_token_pool.req_to_token
-        pools = _host(forward_batch.req_pool_indices)
+        rows = forward_batch.req_pool_indices.to(req_to_token.device)
+        # One device-to-host copy of the batch's rows of the table, not one per request.
+        table = req_to_token.index_select(0, rows)[:, : int(seq.max(initial=0))].cpu().numpy()
         ps = self.page_size
         positions, tables = [], []
-        for r, n, p in zip(pools, seq, prefix):
+        for b, (n, p) in enumerate(zip(seq, prefix)):
             positions.append(np.arange(p, n))
-            slots = req_to_token[r, : n].cpu().numpy() if n else np.zeros(0, np.int64)
-            # Page-aligned pools keep a page's tokens contiguous: its first slot names the page.
-            tables.append(slots[::ps] // ps)
+            # SGLang's paged allocator keeps a page's tokens together (slot % ps == position % ps):
+            # a page's first slot names it.
+            tables.append(table[b, :n:ps] // ps)
         meta = AttentionMetadata.build(positions, tables, [int(n) for n in seq], ps, device=self.device)
         self.forward_metadata = StepMetadata(meta, np.concatenate([[0], np.cumsum(seq - prefix)]).astype(np.int64))
 

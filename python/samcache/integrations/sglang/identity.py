@@ -38,8 +38,10 @@ def _grid(item: Any) -> np.ndarray | None:
     return np.asarray(grid.cpu() if isinstance(grid, torch.Tensor) else grid, dtype=np.int64).reshape(-1, 3)
 
 
-def image_refs(mm_inputs: Any) -> list[ImageRef]:
-    """Every image of a request (SGLang's ``MultimodalInputs``), split out of bundled items."""
+def image_refs(mm_inputs: Any, within: tuple[int, int] | None = None) -> list[ImageRef]:
+    """Every image of a request (SGLang's ``MultimodalInputs``), split out of bundled items. With
+    ``within=(begin, end)`` only images wholly inside those prompt positions are hashed (the others
+    come back with ``content=None``)."""
     refs: list[ImageRef] = []
     for item in getattr(mm_inputs, "mm_items", None) or ():
         if not item.is_image() or not item.offsets:
@@ -52,7 +54,8 @@ def image_refs(mm_inputs: Any) -> list[ImageRef]:
             nameable = False  # rows that do not add up to the grids: not a layout we can split
         for i, (start, end) in enumerate(item.offsets):  # SGLang's offsets are inclusive
             content = None
-            if nameable:
+            inside = within is None or (within[0] <= int(start) and int(end) < within[1])
+            if nameable and inside:
                 rows = feature[int(patches[i]): int(patches[i + 1])].detach().contiguous().cpu()
                 pixels = hash_bytes(memoryview(rows.view(-1).view(torch.uint8).numpy()))
                 content = hash_bytes(grid[i].tobytes() + str(rows.dtype).encode() + b"|" + pixels.digest)
@@ -60,10 +63,20 @@ def image_refs(mm_inputs: Any) -> list[ImageRef]:
     return refs
 
 
-def model_fingerprint(config: Any, dtype: torch.dtype) -> str:
-    """What an image's KV depends on besides its pixels: the checkpoint, its architecture, the dtype."""
-    archs = ",".join(getattr(config, "architectures", None) or [])
-    return f"sglang|{getattr(config, '_name_or_path', '')}|{archs}|{dtype}"
+def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
+    """What an image's KV depends on besides its pixels: the checkpoint (SGLang's ``--model-path``
+    and revision), the model class, the config's name and the dtype. (Qwen3-VL-MoE's
+    ``model.config`` is its text config, without a name: the server's arguments name the model.)"""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        checkpoint = f"{getattr(args, 'model_path', '')}@{getattr(args, 'revision', None)}"
+    except Exception:  # noqa: BLE001 - no server context (tools, tests): the config names the model
+        checkpoint = ""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or ""
+    return f"sglang|{checkpoint}|{name}|{type(model).__name__}|{dtype}"
 
 
 __all__ = ["ImageRef", "image_refs", "model_fingerprint"]

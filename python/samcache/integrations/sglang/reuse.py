@@ -79,18 +79,14 @@ def reset_stats() -> None:
     _stats = ReuseStats()
 
 
-class _AddResidual:
-    """A stand-in final norm that returns the residual stream itself (hidden + residual): lets the
-    row runner close SGLang's residual stream, subset rows, and open a new one."""
-
-    def __call__(self, hidden, residual=None):
-        if residual is None:
-            return hidden
-        total = hidden + residual
-        return total, total
-
-
-_ADD_RESIDUAL = _AddResidual()
+def _gather_stream(hidden: Any, forward_batch: Any, sel: torch.Tensor) -> Any:
+    """Keep rows ``sel`` of SGLang's residual stream: the layer output and the residual are handed
+    off (SGLang's replay handoff), gathered apart and handed back, so the next layer's fused
+    add + norm sees exactly the operands it would (no rounded ``hidden + residual`` in between)."""
+    handoff = residual_batch.export_replay_handoff(hidden, forward_batch)
+    pick = lambda t: None if t is None else t.index_select(0, sel.to(t.device))  # noqa: E731
+    return residual_batch.import_replay_handoff(handoff._replace(value=pick(handoff.value),
+                                                                 residual=pick(handoff.residual)), forward_batch)
 
 
 def run_rows(language_model: torch.nn.Module, step: SglangStep, positions: torch.Tensor, forward_batch: Any,
@@ -108,10 +104,8 @@ def run_rows(language_model: torch.nn.Module, step: SglangStep, positions: torch
     for index in range(language_model.start_layer, language_model.end_layer):
         sel = select[index]
         if sel is not None:  # this layer computes fewer rows than the one before
-            stream = residual_batch.final_norm(hidden, forward_batch, _ADD_RESIDUAL)
-            hidden = stream.index_select(0, sel.to(stream.device))
+            hidden = _gather_stream(hidden, forward_batch, sel)
             pos = positions.index_select(1, rows[index].to(positions.device))
-            residual_batch.start(forward_batch)
         hidden = language_model.layers[index](pos, hidden, forward_batch)
         if input_deepstack_embeds is not None and index in deepstack_layers:
             extra = input_deepstack_embeds[:, width * index: width * (index + 1)]
@@ -161,19 +155,18 @@ class ModelReuse:
                                       head_fraction=self.settings.head_fraction, relevance=False)
         self.store = store if store is not None else _process_store()
         dtype = next(model.parameters()).dtype
-        self.model_id = model_fingerprint(model.config, dtype)
+        self.model_id = model_fingerprint(model, dtype)
         self._warned = False
 
     def namespace_of(self, forward_batch: Any):
-        """The namespace of each request: the model and its tenant (the configured tenant, joined by
-        the request's SGLang ``extra_key`` when the plugin's batch hook recorded it)."""
+        """The namespace of each request: the model and its tenant (the configured tenant with the
+        request's SGLang ``extra_key`` and ``cache_salt``, recorded by the plugin's batch hook)."""
         extra = getattr(forward_batch, "samcache_extra_keys", None)
 
         def namespace(b: int) -> Namespace:
-            tenant = self.settings.tenant
-            if extra is not None and extra[b]:
-                tenant = f"{tenant}|{extra[b]}"
-            return Namespace(self.model_id, tenant)
+            keys = list(extra[b]) if extra is not None else [None, None]
+            # JSON keeps the parts apart (no separator inside a value can join two tenants).
+            return Namespace(self.model_id, json.dumps([self.settings.tenant, *keys]))
 
         return namespace
 

@@ -115,6 +115,14 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     if positions.size(1) != total:
         return None
     slots = forward_batch.out_cache_loc
+    # Rows SGLang reads besides each request's last: every row under a full hidden-state capture
+    # (return_hidden_states, EAGLE), a request's prompt rows when it asks for input logprobs. Such
+    # rows must be computed: those steps and requests splice nothing (their images are still saved).
+    capture = getattr(forward_batch, "capture_hidden_mode", None)
+    splice_none = capture is not None and capture.is_full()
+    logprob_start = getattr(forward_batch, "extend_logprob_start_lens_cpu", None)
+    wants_prompt_rows = [bool(forward_batch.return_logprob) and logprob_start is not None
+                         and int(logprob_start[b]) < int(lens[b]) for b in range(lens.size)]
     stats = ReuseStats()
     saves: list[PendingImage] = []
     skipped = np.zeros(total, dtype=bool)
@@ -125,13 +133,13 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
         begin, end, base = int(prefix[b]), int(prefix[b] + lens[b]), int(starts[b])
         namespace = namespace_of(b)
         image_slots, entries = [], {}
-        for ref in image_refs(inputs):
+        for ref in image_refs(inputs, within=(begin, end)):
             if ref.offset < begin or ref.offset + ref.length > end or ref.content is None:
                 continue  # in the cached prefix, cut by a chunk boundary, or not nameable: SGLang computes it
             key = namespace.key(ref.content)
             if key in entries or any(p.key == key for p in saves):
                 continue
-            entry = store.get(key, check=(ref.length,))
+            entry = None if splice_none or wants_prompt_rows[b] else store.get(key, check=(ref.length,))
             if entry is None:
                 stats.images_missed += 1
                 rows = torch.arange(base + ref.offset - begin, base + ref.offset - begin + ref.length)
@@ -175,11 +183,17 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
 
 
 def save_images(step: SglangStep, forward_batch: Any, cache: PoolWriter, store: Any, num_layers: int) -> None:
-    """Store the images computed whole in this step, read back from the pool's slots."""
+    """Store the images computed whole in this step, read back from the pool's slots
+    (``step.stats.images_saved``: those the store took)."""
+    saved = 0
     for save in step.saves:
+        if save.key in store:
+            continue  # another request of the batch stored it
         slots = forward_batch.out_cache_loc[save.rows.to(forward_batch.out_cache_loc.device)]
         ks, vs = zip(*(cache.read(layer, slots) for layer in range(num_layers)))
-        store.put(save.key, ImageKV(torch.stack(ks), torch.stack(vs), save.positions), check=(save.rows.numel(),))
+        saved += bool(store.put(save.key, ImageKV(torch.stack(ks), torch.stack(vs), save.positions),
+                                check=(save.rows.numel(),)))
+    step.stats.images_saved = saved
 
 
 __all__ = ["PendingImage", "PoolWriter", "ReuseStats", "SglangStep", "plan_step", "save_images"]
