@@ -238,3 +238,19 @@ def test_rows_shrinking_with_depth_are_exact_for_an_identical_context(arch):
     assert s.images_reused == 2 and s.recomputed_tokens == 40           # every image row at the first layer
     assert s.recomputed_token_layers < 40 * layers                      # fewer deeper: rows were gathered
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_metrics_path_is_written_after_each_step(arch, tmp_path):
+    import json
+
+    from samcache.integrations.sglang.reuse import reset_stats
+
+    reset_stats()
+    path = tmp_path / "samcache-metrics.json"
+    model = _override(arch, ReuseSettings(recompute_ratio=0.05, metrics_path=str(path)))
+    first, second = _prompts(arch[0], first_prefix=[1, 2, 3], second_prefix=[4, 5])
+    _run(model, first, SamcacheAttnBackend)
+    assert json.loads(path.read_text())["images_saved"] == 2
+    _run(model, second, SamcacheAttnBackend)
+    written = json.loads(path.read_text())
+    assert written["images_reused"] == 2 and written["steps"] == 2 and written["reused_tokens"] == 40

@@ -162,7 +162,7 @@ def test_version_is_checked_before_version_specific_imports(monkeypatch):
         plugin.register()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device-placement bug)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: spliced keys must stay on the cache's device")
 def test_splice_image_with_cuda_entry():
     """SGLang's store holds image KV read back from the CUDA pool (``PoolWriter.read``); splice_image
     computes ``delta`` with ``.cpu()`` and hands it to rope_rerotate with CUDA keys, whose argument

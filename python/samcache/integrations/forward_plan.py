@@ -14,7 +14,7 @@ decided a request's plan; only how they find rows and write the cache differs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,6 +23,30 @@ import torch
 from samcache.errors import InvariantViolation
 from samcache.hashing import ContentKey
 from samcache.ops.rope import rope_rerotate
+
+
+@dataclass
+class ReuseCounters:
+    """What a plugin's forward passes did with images, summed over steps."""
+
+    steps: int = 0                 # forward passes with reuse or saves
+    scheduled_tokens: int = 0      # prompt tokens the engine scheduled in the planned requests
+    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
+    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
+    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
+    recomputed_token_layers: int = 0
+    images_reused: int = 0
+    images_saved: int = 0
+    images_missed: int = 0         # nameable images not in the store (then saved)
+
+    def add(self, other: "ReuseCounters") -> None:
+        for name in ReuseCounters.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def counters(self) -> dict[str, int]:
+        """The counters alone (a subclass's gauges left out)."""
+        values = asdict(self)
+        return {name: values[name] for name in ReuseCounters.__dataclass_fields__}
 
 
 @dataclass
@@ -127,4 +151,4 @@ def layer_rows(skipped: np.ndarray, recompute: list[list[np.ndarray]], num_layer
     return rows, select
 
 
-__all__ = ["ImageKV", "KVWriter", "PendingSave", "Rotary", "layer_rows", "splice_image"]
+__all__ = ["ImageKV", "KVWriter", "PendingSave", "ReuseCounters", "Rotary", "layer_rows", "splice_image"]

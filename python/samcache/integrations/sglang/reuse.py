@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -70,7 +69,7 @@ def write_stats(path: str) -> None:
     """Write this process's counters as JSON (atomically: a reader never sees half a file)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(asdict(stats()), f)
+        json.dump(stats().counters(), f)
     os.replace(tmp, path)
 
 

@@ -19,7 +19,7 @@ and its images (``mm_inputs``). For every request whose extend range holds whole
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,28 +28,13 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from samcache.hashing import ContentKey, Namespace
-from samcache.integrations.forward_plan import ImageKV, Rotary, layer_rows, splice_image
+from samcache.integrations.forward_plan import ImageKV, ReuseCounters, Rotary, layer_rows, splice_image
 from samcache.integrations.sglang.identity import image_refs
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
 
 
-@dataclass
-class ReuseStats:
+class ReuseStats(ReuseCounters):
     """What the plugin did, summed over steps (one per process: ``samcache.integrations.sglang.stats()``)."""
-
-    steps: int = 0                 # extend steps that reused or saved images
-    scheduled_tokens: int = 0      # extend tokens of the requests planned
-    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
-    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
-    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
-    recomputed_token_layers: int = 0
-    images_reused: int = 0
-    images_saved: int = 0
-    images_missed: int = 0
-
-    def add(self, other: "ReuseStats") -> None:
-        for name, value in asdict(other).items():
-            setattr(self, name, getattr(self, name) + value)
 
 
 @dataclass

@@ -12,18 +12,14 @@ import os
 import threading
 from dataclasses import asdict, dataclass
 
+from samcache.integrations.forward_plan import ReuseCounters
+
 
 @dataclass
-class PluginMetrics:
-    steps: int = 0                 # forward passes with reuse or saves
-    scheduled_tokens: int = 0      # prompt tokens vLLM scheduled in those requests (it computes them all)
-    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
-    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
-    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
-    recomputed_token_layers: int = 0
-    images_reused: int = 0
-    images_saved: int = 0
-    images_missed: int = 0         # known-format images not in the store (then saved)
+class PluginMetrics(ReuseCounters):
+    """The shared reuse counters (vLLM computes every scheduled token's budget; ``computed_tokens``
+    is what the plugin let it compute), plus the worker's gauges."""
+
     store_bytes: int = 0
     store_evictions: int = 0
     num_layers: int = 0            # decoder layers of the model (to weigh per-layer recompute)
