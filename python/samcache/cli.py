@@ -1,10 +1,12 @@
 """``samcache`` command line: ``samcache bench`` runs an agent workload benchmark, ``samcache
-report`` rebuilds its report from the JSON.
+report`` rebuilds its report from the JSON, ``samcache eval`` scores a trained model's answers on
+held-out visual-QA traces in each mode (task accuracy under reuse).
 
     samcache bench --scenario gui --modes baseline,prefix,samcache [--model DIR] [--turns 20]
     samcache bench --scenario gui --modes samcache --recompute 0,0.02,0.05,0.1,0.2,1.0
     samcache bench --scenario gui --modes prefix,samcache,vllm --preset small --threads 1
     samcache report bench/out/gui/results.json
+    samcache eval --model DIR --scenario gui --traces 20 --modes baseline,prefix,samcache --recompute 0,0.05,1.0
 """
 
 from __future__ import annotations
@@ -138,6 +140,33 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from samcache.eval.task_accuracy import evaluate_traces
+    from samcache.tasks import visual_qa
+
+    try:
+        traces = [visual_qa.trace(visual_qa.split_seed("test", i, args.seed), scenario=args.scenario, turns=args.turns,
+                                  window=args.window, size=tuple(args.image_size)) for i in range(args.traces)]
+        out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
+                              device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
+                              fidelity=not args.no_fidelity, progress=not args.quiet)
+    except (ValueError, OSError) as e:
+        print(f"samcache eval: {e}", file=sys.stderr)
+        return 2
+    for run in out["runs"]:
+        lo, hi = run["interval"]
+        ratio = "" if run["recompute"] is None else f" @ {run['recompute']:g}"
+        kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
+        print(f"{run['mode'] + ratio:<22} accuracy {run['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]  "
+              f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}")
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "results.json").write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {path / 'results.json'}")
+    return 0
+
+
 def _report(args) -> int:
     from samcache.report import write_report
 
@@ -163,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
     p.add_argument("--version", action="version", version=f"samcache {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,report}")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,report,eval}")
     b = sub.add_parser("bench", help="run an agent workload benchmark",
                        description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
@@ -205,6 +234,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--command", help=argparse.SUPPRESS)
     b.set_defaults(func=_bench)
+    e = sub.add_parser("eval", help="task accuracy of a trained model on held-out visual-QA traces, per mode",
+                       description="Score a model trained on samcache.tasks.visual_qa (samcache.tasks.training) on "
+                                   "held-out multi-turn traces whose images move between turns, in each mode.")
+    e.add_argument("--model", required=True, help="the trained checkpoint directory")
+    e.add_argument("--scenario", default="gui", choices=["gui", "reorder", "subagent"])
+    e.add_argument("--traces", type=int, default=20)
+    e.add_argument("--turns", type=int, default=6)
+    e.add_argument("--window", type=int, default=3)
+    e.add_argument("--image-size", type=int, nargs=2, default=[112, 112], metavar=("H", "W"))
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated engine modes")
+    e.add_argument("--recompute", default="0.05", help="recompute ratio(s), comma-separated")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--max-new-tokens", type=int, default=6)
+    e.add_argument("--no-fidelity", action="store_true", help="skip KL / greedy agreement against a full prefill")
+    e.add_argument("--no-calibrate", action="store_true")
+    e.add_argument("--out", help="folder for results.json")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=_eval)
     r = sub.add_parser("report", help="rebuild report.md and the plots from results.json")
     r.add_argument("results", help="a results.json, or the folder of a run that holds one")
     r.add_argument("--out", help="output folder (default: the folder of results.json)")

@@ -41,7 +41,6 @@ from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.scheduler import Admission, Finished, Scheduler
 from samcache.errors import PromptTooLong
-from samcache.eval.fidelity import measure_fidelity
 from samcache.hashing import Namespace
 from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
 from samcache.reuse import RecomputeBudget
@@ -439,6 +438,8 @@ class SAMcacheEngine:
     def _result(self, req: ChatRequest, adm: Admission, history: list[dict], out: Finished) -> ChatResult:
         m = out.prepared.metrics
         if out.fork is not None:
+            from samcache.eval.fidelity import measure_fidelity  # here: samcache.eval imports the engine
+
             m.fidelity = measure_fidelity(self.executor, adm.prompt, out.first_logits, out.fork, req.fidelity_tokens,
                                           model_id=self.model_id, vit_namespace=adm.namespace)
         text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
