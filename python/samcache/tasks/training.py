@@ -38,8 +38,8 @@ MODEL_SIZES: dict[str, Any] = dict(
 
 @dataclass
 class TrainConfig:
-    """``steps`` optimizer steps of ``batch_size`` examples; ``curriculum``: (images per example,
-    share of the steps) in order; ``dense_fraction``: share of examples whose reply describes
+    """``steps`` optimizer steps of ``batch_size`` examples; ``curriculum``: (most images per
+    example, share of the steps) in order, each stage drawing 1 to that many images; ``dense_fraction``: share of examples whose reply describes
     every element first (the held-out questions ask for that when ``dense_eval``).
 
     Why dense by default, and 84x84 images (a 3x3 grid of image tokens, one per cell of the
@@ -161,8 +161,11 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         n = config.images_at(step)
         batch = []
         for _ in range(config.batch_size):
+            # A stage mixes every image count up to its own: trained on 2-image examples alone, the
+            # model described two screenshots whatever it was shown (docs/benchmark.md).
+            images = int(rng.integers(1, n + 1))
             # The train seed stream never meets the test one (task.split_seed).
-            ex = task.make_example(task.split_seed("train", seen, config.seed), num_images=n, kind=config.kind,
+            ex = task.make_example(task.split_seed("train", seen, config.seed), num_images=images, kind=config.kind,
                                    size=config.size)
             batch.append(task.messages(ex, dense=bool(rng.random() < config.dense_fraction)))
             seen += 1
