@@ -95,6 +95,19 @@ def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
     return list(dict.fromkeys(values))
 
 
+def mode_engine_kwargs(mode: str, ratio: float | None, curves: Any, base: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments of one (mode, recompute ratio) run: ``base`` with the mode's own, the
+    ratio, and for layer-aware modes the calibrated ``curves`` (a uniform budget without them)."""
+    kw = {**base, **MODES[mode].engine_kwargs}
+    if ratio is not None:
+        kw["recompute_ratio"] = ratio
+    if MODES[mode].layer_aware:
+        kw["sensitivity"] = curves
+        if curves is None:
+            kw["recompute_budget"] = "uniform"
+    return kw
+
+
 def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
 
@@ -236,14 +249,7 @@ def run_benchmark(
     def make_engines() -> list:
         engines = []
         for mode, ratio in runs:
-            kw = {**base, **MODES[mode].engine_kwargs}
-            if ratio is not None:
-                kw["recompute_ratio"] = ratio
-            if MODES[mode].layer_aware:
-                kw["sensitivity"] = curves
-                if curves is None:
-                    kw["recompute_budget"] = "uniform"
-            engine = SAMcacheEngine(model_path, **kw)
+            engine = SAMcacheEngine(model_path, **mode_engine_kwargs(mode, ratio, curves, base))
             engine.warm_up()
             engines.append(engine)
         return engines

@@ -38,7 +38,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
     agreement medians."""
-    from samcache.benchmark import MODES, parse_modes, parse_ratios
+    from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.tasks.visual_qa import is_correct
 
@@ -60,14 +60,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         bar = tqdm(total=len(runs) * sum(len(t) for t in traces), desc="samcache eval", unit="turn")
     results = []
     for mode, ratio in runs:
-        kw: dict[str, Any] = {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared,
-                              **MODES[mode].engine_kwargs}
-        if ratio is not None:
-            kw["recompute_ratio"] = ratio
-        if MODES[mode].layer_aware:
-            kw["sensitivity"] = curves
-            if curves is None:
-                kw["recompute_budget"] = "uniform"
+        kw = mode_engine_kwargs(mode, ratio, curves,
+                                {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared})
         turns = []
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
