@@ -47,6 +47,9 @@ def test_wilson_interval():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     lo, hi = wilson_interval(45, 50)
     assert 0.78 < lo < 0.9 < hi < 0.97
+    for bad in [(3, 2), (-1, 2), (1, -1)]:
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
 
 
 def test_cli_eval(model, tmp_path, capsys):

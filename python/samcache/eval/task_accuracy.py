@@ -22,6 +22,12 @@ from samcache._checks import check_int
 
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval of a binomial proportion (95% by default)."""
+    check_int("total", total, 0)
+    check_int("correct", correct, 0)
+    if correct > total:
+        raise ValueError(f"correct ({correct}) cannot exceed total ({total})")
+    if not z > 0:
+        raise ValueError(f"z must be > 0, got {z!r}")
     if total == 0:
         return (0.0, 1.0)
     p = correct / total

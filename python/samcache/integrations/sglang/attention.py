@@ -28,6 +28,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from samcache.integrations.sglang.step import host_ints
 from samcache.ops.sparse_attention import AttentionMetadata, sparse_attention
 
 _NO_CUDA_GRAPH = ("samcache's attention backend does not support CUDA graphs yet (its metadata is built on the host "
@@ -69,14 +70,13 @@ class SamcacheAttnBackend(AttentionBackend):
         if forward_batch.encoder_lens is not None:
             raise NotImplementedError("samcache attention backend: encoder-decoder (cross-attention) models are not "
                                       "supported")
-        seq = _host(forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens)
+        seq = host_ints(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError("samcache attention backend: speculative decoding is not supported")
         if mode.is_decode():
             prefix = seq - 1
         elif mode.is_extend():
-            prefix = _host(forward_batch.extend_prefix_lens_cpu if forward_batch.extend_prefix_lens_cpu is not None
-                           else forward_batch.extend_prefix_lens)
+            prefix = host_ints(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
         else:
             raise NotImplementedError(f"samcache attention backend: forward mode {mode.name} is not supported")
         req_to_token = self.req_to_token_pool.req_to_token
@@ -162,12 +162,6 @@ class SamcacheAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
-
-
-def _host(t) -> np.ndarray:
-    if isinstance(t, torch.Tensor):
-        return t.detach().cpu().numpy().astype(np.int64)
-    return np.asarray(t, dtype=np.int64)
 
 
 def create_samcache_backend(model_runner) -> SamcacheAttnBackend:

@@ -27,8 +27,8 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from samcache.hashing import ContentKey, Namespace
-from samcache.integrations.forward_plan import ImageKV, ReuseCounters, Rotary, layer_rows, splice_image
+from samcache.hashing import Namespace
+from samcache.integrations.forward_plan import PendingSave, ReuseCounters, Rotary, layer_rows, splice_image
 from samcache.integrations.sglang.identity import image_refs
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
 
@@ -38,22 +38,13 @@ class ReuseStats(ReuseCounters):
 
 
 @dataclass
-class PendingImage:
-    """An image computed whole this step: its flattened rows and M-RoPE positions, to store."""
-
-    key: ContentKey
-    rows: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass
 class SglangStep:
     """The executed plan of one forward. ``rows[l]``: flattened rows layer ``l`` computes (None:
     every row, SGLang's own path); ``select[l]``: their positions among ``rows[l - 1]``."""
 
     rows: list[torch.Tensor] | None
     select: list[torch.Tensor | None]
-    saves: list[PendingImage]
+    saves: list[PendingSave]
     stats: ReuseStats = field(default_factory=ReuseStats)
 
     @property
@@ -76,10 +67,13 @@ class PoolWriter:
         return self.pool.get_key_buffer(layer)[slots].clone(), self.pool.get_value_buffer(layer)[slots].clone()
 
 
-def _host(values: Any) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
-        return values.detach().cpu().numpy().astype(np.int64)
-    return np.asarray(values, dtype=np.int64)
+def host_ints(host_values: Any, values: Any) -> np.ndarray:
+    """A ForwardBatch field as int64 numpy: its host copy (``*_cpu``) when SGLang made one, else the
+    tensor copied to the host."""
+    v = host_values if host_values is not None else values
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().numpy().astype(np.int64)
+    return np.asarray(v, dtype=np.int64)
 
 
 def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: Any,
@@ -91,10 +85,8 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     positions = forward_batch.mrope_positions
     if not mm_inputs or positions is None or positions.dim() != 2 or positions.size(0) != 3:
         return None
-    prefix = _host(forward_batch.extend_prefix_lens_cpu if forward_batch.extend_prefix_lens_cpu is not None
-                   else forward_batch.extend_prefix_lens)
-    lens = _host(forward_batch.extend_seq_lens_cpu if forward_batch.extend_seq_lens_cpu is not None
-                 else forward_batch.extend_seq_lens)
+    prefix = host_ints(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
+    lens = host_ints(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
     starts = np.concatenate([[0], np.cumsum(lens)])
     total = int(starts[-1])
     if positions.size(1) != total:
@@ -109,7 +101,7 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     wants_prompt_rows = [bool(forward_batch.return_logprob) and logprob_start is not None
                          and int(logprob_start[b]) < int(lens[b]) for b in range(lens.size)]
     stats = ReuseStats()
-    saves: list[PendingImage] = []
+    saves: list[PendingSave] = []
     skipped = np.zeros(total, dtype=bool)
     recompute: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
     for b, inputs in enumerate(mm_inputs):
@@ -128,7 +120,7 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
             if entry is None:
                 stats.images_missed += 1
                 rows = torch.arange(base + ref.offset - begin, base + ref.offset - begin + ref.length)
-                saves.append(PendingImage(key, rows, positions[:, rows].cpu().clone()))
+                saves.append(PendingSave(key, rows, positions[:, rows].cpu().clone()))
                 continue
             entries[key] = entry
             # The planner's position only sets its span delta; keys move by per-token deltas below.
@@ -175,10 +167,12 @@ def save_images(step: SglangStep, forward_batch: Any, cache: PoolWriter, store: 
         if save.key in store:
             continue  # another request of the batch stored it
         slots = forward_batch.out_cache_loc[save.rows.to(forward_batch.out_cache_loc.device)]
-        ks, vs = zip(*(cache.read(layer, slots) for layer in range(num_layers)))
-        saved += bool(store.put(save.key, ImageKV(torch.stack(ks), torch.stack(vs), save.positions),
-                                check=(save.rows.numel(),)))
+        for layer in range(num_layers):
+            keys, values = cache.read(layer, slots)
+            save.k.append(keys)
+            save.v.append(values)
+        saved += bool(store.put(save.key, save.image_kv(), check=(save.rows.numel(),)))
     step.stats.images_saved = saved
 
 
-__all__ = ["PendingImage", "PoolWriter", "ReuseStats", "SglangStep", "plan_step", "save_images"]
+__all__ = ["PoolWriter", "ReuseStats", "SglangStep", "plan_step", "save_images"]
