@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from samcache.eval.task_accuracy import evaluate_traces, wilson_interval
+from samcache.eval.task_accuracy import evaluate_traces, paired_difference, training_defaults, wilson_interval
 from samcache.tasks import visual_qa
 
 
@@ -57,8 +57,52 @@ def test_cli_eval(model, tmp_path, capsys):
 
     from samcache.cli import main
 
-    assert main(["eval", "--model", str(model), "--traces", "1", "--turns", "2", "--window", "2", "--modes", "samcache",
-                 "--recompute", "0,1", "--no-calibrate", "--quiet", "--out", str(tmp_path)]) == 0
-    assert "samcache @ 0" in capsys.readouterr().out
-    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 2
+    assert main(["eval", "--model", str(model), "--traces", "1", "--turns", "2", "--window", "2", "--modes",
+                 "baseline,samcache,head-only", "--recompute", "0,1", "--no-calibrate", "--quiet", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "samcache @ 0" in printed and "samcache @ 1 vs head-only @ 1" in printed
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert len(out["runs"]) == 5
+    pairs = {(c["a"], c["b"]) for c in out["comparisons"]}
+    assert ("samcache @ 0", "baseline") in pairs and ("samcache @ 0", "head-only @ 0") in pairs
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
     assert main(["eval", "--model", str(model), "--modes", "bogus", "--quiet"]) == 2
+
+
+def test_eval_follows_how_the_model_was_trained(model, tmp_path, capsys):
+    import json
+    import shutil
+
+    from samcache.cli import main
+
+    trained = tmp_path / "trained"
+    shutil.copytree(model, trained)
+    (trained / "training.json").write_text(json.dumps({"config": {"size": [84, 84], "dense_eval": True, "kind": "gui"}}))
+    assert training_defaults(trained) == {"size": (84, 84), "dense": True, "kind": "gui"}
+    assert main(["eval", "--model", str(trained), "--scenario", "reorder", "--quiet"]) == 2
+    assert "trained on gui images" in capsys.readouterr().err
+    assert training_defaults(model) == {}
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(trained), "--traces", "1", "--turns", "2", "--window", "2", "--modes", "baseline",
+                 "--max-new-tokens", "2", "--no-calibrate", "--quiet", "--out", str(out)]) == 0
+    turns = json.loads((out / "results.json").read_text())["runs"][0]["turns"]
+    assert all(t["question"].endswith(visual_qa.DENSE_INSTRUCTION) for t in turns)
+    assert main(["eval", "--model", str(trained), "--traces", "1", "--turns", "1", "--modes", "baseline", "--no-dense",
+                 "--max-new-tokens", "2", "--no-calibrate", "--quiet", "--out", str(out)]) == 0
+    turns = json.loads((out / "results.json").read_text())["runs"][0]["turns"]
+    assert not turns[0]["question"].endswith(visual_qa.DENSE_INSTRUCTION)
+
+
+def test_paired_difference_counts_turns_each_run_alone_got_right():
+    def run(correct):
+        return {"turns": [{"turn": i, "answer": "x", "correct": c} for i, c in enumerate(correct)]}
+
+    a, b = run([1, 1, 1, 0, 1, 1, 0, 1]), run([1, 0, 1, 0, 1, 0, 1, 1])
+    d = paired_difference(a, b)
+    assert d["difference"] == 1 / 8 and (d["a_only"], d["b_only"], d["turns"]) == (2, 1, 8)
+    lo, hi = d["interval"]
+    assert lo < 1 / 8 < hi
+    same = paired_difference(a, a)
+    assert same["difference"] == 0 and same["interval"] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same turns"):
+        paired_difference(a, run([1, 1]))

@@ -263,6 +263,45 @@ def test_traces_answers_derivable_for_any_window(scenario, window):
         check_turns(turns)
 
 
+@pytest.mark.parametrize("scenario", vqa.SCENARIOS)
+def test_dense_traces_ask_for_descriptions_and_leave_room_for_them(scenario):
+    plain, dense = vqa.trace(7, scenario=scenario, turns=6), vqa.trace(7, scenario=scenario, turns=6, dense=True)
+    for p, d in zip(plain, dense, strict=True):
+        assert (d.answer, d.image_ids, d.question_type) == (p.answer, p.image_ids, p.question_type)
+        assert d.question == f"{p.question} {vqa.DENSE_INSTRUCTION}"
+        assert d.max_new_tokens == vqa.dense_token_budget(len(d.image_ids)) > p.max_new_tokens == 8
+        assert p.messages[0]["content"].endswith(vqa.ANSWER_HINT) and vqa.ANSWER_HINT not in d.messages[0]["content"]
+    for prev, cur in itertools.pairwise(dense):  # scripted history replies are dense replies
+        if cur.label.startswith("continue"):
+            scripted = cur.messages[len(prev.messages)]["content"]
+            assert all(vqa.describe(s) in scripted for s in prev.specs) and scripted.endswith(f"Answer: {prev.answer}")
+
+
+def test_framed_messages_frame_an_example_as_the_traces_do():
+    seen = {"system": 0, "step": 0, "follow_up": 0}
+    for seed in range(200):
+        ex = vqa.make_example(vqa.split_seed("train", seed), num_images=1 + seed % 3, size=(84, 84))
+        msgs = vqa.framed_messages(ex, seed)
+        assert msgs == vqa.framed_messages(ex, seed)  # deterministic per seed
+        assert msgs[-1]["role"] == "assistant" and vqa.describe(ex.specs[0]) in msgs[-1]["content"]
+        user = next(m for m in msgs if m["role"] == "user")
+        assert user["content"][-1]["text"].endswith(f"{ex.question} {vqa.DENSE_INSTRUCTION}")
+        assert [p["image"] for p in user["content"] if p["type"] == "image"] == ex.images
+        if msgs[0]["role"] == "system":
+            seen["system"] += 1
+            assert any(msgs[0]["content"] == t.format(index=i) for t in vqa.SYSTEM_PROMPTS.values() for i in range(4))
+        seen["step"] += user["content"][-1]["text"].startswith("Step ")
+        if len(msgs) > 2 + (msgs[0]["role"] == "system"):
+            seen["follow_up"] += 1
+            assert msgs[-3]["content"] == vqa.dense_reply(ex) and isinstance(msgs[-2]["content"], str)
+            assert msgs[-2]["content"].endswith(vqa.DENSE_INSTRUCTION)
+            question = msgs[-2]["content"].removesuffix(f" {vqa.DENSE_INSTRUCTION}")
+            assert msgs[-1]["content"].endswith(f"Answer: {solve(list(ex.specs), question)}")
+    assert all(20 < v < 150 for v in seen.values()), seen
+    plain = vqa.framed_messages(ex, 3, dense=False)
+    assert "Describe" not in str(plain)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: vqa.make_example(0, kind="video"), "unknown kind"),
     (lambda: vqa.make_example(0, question="why"), "unknown question"),

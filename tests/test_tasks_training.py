@@ -7,14 +7,29 @@ import json
 
 import pytest
 
-from samcache.tasks.training import TrainConfig, train
+from samcache.tasks import visual_qa as vqa
+from samcache.tasks.training import (
+    PROBED_ATTRIBUTES,
+    TrainConfig,
+    _probe_targets,
+    _token_cells,
+    encode_batch,
+    train,
+    weighted_loss,
+)
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[0]))
 
 
 def test_a_few_steps_write_a_loadable_checkpoint(tmp_path):
-    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                 vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[0]))
+    sizes = SIZES
     report = train(tmp_path, TrainConfig(steps=3, batch_size=2, eval_every=3, eval_examples=2, warmup=1,
+                                         vision_steps=3, vision_batch_size=2, size=(84, 84),
                                          curriculum=((1, 0.5), (2, 0.5)), model_sizes=sizes), progress=False)
+    vision = report["vision_curve"]
+    assert [p["step"] for p in vision] == [3]
+    assert all(0.0 <= vision[0][f"{a}_accuracy"] <= 1.0 for a in PROBED_ATTRIBUTES)
     curve = report["curve"]
     assert len(curve) == 1 and curve[0]["step"] == 3 and curve[0]["examples_seen"] == 6
     assert 0.0 <= curve[0]["accuracy_1_image"] <= 1.0 and 0.0 <= curve[0]["accuracy_4_image"] <= 1.0
@@ -33,3 +48,82 @@ def test_curriculum_stages():
 def test_bad_config_is_refused(tmp_path, bad):
     with pytest.raises(ValueError):
         train(tmp_path, TrainConfig(**bad), progress=False)
+
+
+def test_image_tokens_map_to_the_cells_under_them():
+    assert _token_cells((84, 84), (3, 3)) == list(vqa.CELLS)
+    big = _token_cells((168, 168), (6, 6))
+    assert big[0] == big[1] == big[6] == big[7] == "top left" and big[-1] == "bottom right"
+    spec = vqa.make_example(5, size=(84, 84)).specs[0]
+    targets = _probe_targets(spec, list(vqa.CELLS))
+    assert targets["cell"] == list(range(1, 10))
+    assert _probe_targets(spec, [None])["cell"] == [0]
+    for cell, colour, kind, label in zip(vqa.CELLS, targets["colour"], targets["kind"], targets["label"]):
+        e = spec.element_at(cell)
+        if e is None:
+            assert colour == kind == label == 0
+        else:
+            assert (list(vqa.COLOURS)[colour - 1], vqa.KINDS[kind - 1], vqa.LABELS[label - 1]) == (e.colour, e.kind, e.label)
+
+
+def test_labels_cover_every_assistant_reply_and_nothing_else(tmp_path):
+    from samcache.engine.loading import load_processor
+    from samcache.models import build_tiny_model
+
+    build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
+    processor = load_processor(tmp_path)
+    seed = next(s for s in range(100) if len(vqa.framed_messages(vqa.make_example(s, num_images=2, size=(84, 84)), s)) > 3)
+    ex = vqa.make_example(seed, num_images=2, size=(84, 84))
+    two_turns = vqa.framed_messages(ex, seed)
+    one_turn = vqa.messages(vqa.make_example(1, size=(84, 84)))
+    enc = encode_batch(processor, [two_turns, one_turn])
+    tok = processor.tokenizer
+    replies = [m["content"] for m in two_turns if m["role"] == "assistant"]
+    for row, expected in zip(enc["labels"], [replies, [one_turn[-1]["content"]]]):
+        kept = row[row != -100]
+        assert tok.decode(kept) == "".join(f"{r}<|im_end|>" for r in expected)
+    assert (enc["labels"][1][enc["attention_mask"][1] == 0] == -100).all()  # padding is never a target
+
+
+def test_vision_stage_refuses_documents(tmp_path):
+    with pytest.raises(ValueError, match="vision stage"):
+        train(tmp_path, TrainConfig(steps=1, kind="docs", model_sizes=SIZES), progress=False)
+
+
+def test_answer_tokens_weigh_more_and_weight_one_is_the_plain_loss(tmp_path):
+    import torch
+
+    from samcache.engine.loading import load_processor
+    from samcache.models import build_tiny_model, model_class
+
+    build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
+    processor = load_processor(tmp_path)
+    ex = vqa.make_example(3, num_images=2, size=(84, 84))
+    batch = [vqa.messages(ex, dense=True), vqa.messages(vqa.make_example(4, size=(84, 84)))]
+    enc = encode_batch(processor, batch, answer_weight=20.0)
+    tok = processor.tokenizer
+    heavy = enc["input_ids"][0][enc["loss_weights"][0] == 20.0]
+    assert tok.decode(heavy) == f"Answer: {ex.answer}<|im_end|>"
+    assert ((enc["loss_weights"] > 0) == (enc["labels"] != -100)).all()
+    model = model_class("qwen2_5_vl").from_pretrained(tmp_path)
+    plain = encode_batch(processor, batch)
+    with torch.no_grad():
+        inputs = {k: v for k, v in plain.items() if k != "loss_weights"}
+        assert torch.allclose(weighted_loss(model, plain), model(**inputs).loss, rtol=1e-5)
+        assert not torch.allclose(weighted_loss(model, enc), weighted_loss(model, plain))
+
+
+def test_a_run_continues_from_an_earlier_one(tmp_path):
+    from safetensors.torch import load_file
+
+    small = dict(batch_size=2, eval_every=2, eval_examples=1, warmup=1, size=(84, 84), vision_steps=0,
+                 curriculum=((1, 1.0),), model_sizes=SIZES)
+    first = train(tmp_path / "a", TrainConfig(steps=2, **small), progress=False)
+    assert first["config"]["first_example"] == 0 and first["curve"][-1]["examples_seen"] == 4
+    before = load_file(tmp_path / "a" / "model.safetensors")
+    second = train(tmp_path / "b", TrainConfig(steps=2, init_from=str(tmp_path / "a"), **small), progress=False)
+    assert second["config"]["first_example"] == 4  # new examples, not the first run's again
+    after = load_file(tmp_path / "b" / "model.safetensors")
+    assert set(after) == set(before) and any(not (after[k] == before[k]).all() for k in before)
+    with pytest.raises(ValueError, match="not a training run"):
+        train(tmp_path / "c", TrainConfig(steps=1, init_from=str(tmp_path / "nothing"), **small), progress=False)

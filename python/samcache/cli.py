@@ -141,12 +141,16 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
 
 
 def _eval(args) -> int:
-    from samcache.eval.task_accuracy import evaluate_traces
+    from samcache.eval.task_accuracy import check_scenario, comparisons, evaluate_traces, plot, training_defaults
     from samcache.tasks import visual_qa
 
     try:
+        trained = training_defaults(args.model)
+        check_scenario(args.scenario, trained)
+        size = tuple(args.image_size) if args.image_size else trained.get("size", visual_qa.DEFAULT_SIZE)
+        dense = trained.get("dense", False) if args.dense is None else args.dense
         traces = [visual_qa.trace(visual_qa.split_seed("test", i, args.seed), scenario=args.scenario, turns=args.turns,
-                                  window=args.window, size=tuple(args.image_size)) for i in range(args.traces)]
+                                  window=args.window, size=size, dense=dense) for i in range(args.traces)]
         out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
                               fidelity=not args.no_fidelity, progress=not args.quiet)
@@ -159,11 +163,22 @@ def _eval(args) -> int:
         kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
         print(f"{run['mode'] + ratio:<22} accuracy {run['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]  "
               f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}")
+    out["comparisons"] = comparisons(out)
+    for c in out["comparisons"]:
+        lo, hi = c["interval"]
+        print(f"{c['a']} vs {c['b']}: {100 * c['difference']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] "
+              f"over {c['turns']} turns")
     if args.out:
         path = pathlib.Path(args.out)
         path.mkdir(parents=True, exist_ok=True)
+        out["command"] = "samcache " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
         (path / "results.json").write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {path / 'results.json'}")
+        try:
+            plot(out, path / "accuracy.png")
+            print(f"wrote {path / 'accuracy.png'}")
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install 'samcache[bench]')", file=sys.stderr)
     return 0
 
 
@@ -242,12 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--traces", type=int, default=20)
     e.add_argument("--turns", type=int, default=6)
     e.add_argument("--window", type=int, default=3)
-    e.add_argument("--image-size", type=int, nargs=2, default=[112, 112], metavar=("H", "W"))
+    e.add_argument("--image-size", type=int, nargs=2, default=None, metavar=("H", "W"),
+                   help="image size of the traces (default: the model's training size from its training.json, else 112 112)")
+    e.add_argument("--dense", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask for a description before the answer (default: as the model was trained)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--modes", default="baseline,prefix,samcache", help="comma-separated engine modes")
     e.add_argument("--recompute", default="0.05", help="recompute ratio(s), comma-separated")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--max-new-tokens", type=int, default=6)
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per turn (default: room for the answer, or for the description when dense)")
     e.add_argument("--no-fidelity", action="store_true", help="skip KL / greedy agreement against a full prefill")
     e.add_argument("--no-calibrate", action="store_true")
     e.add_argument("--out", help="folder for results.json")

@@ -36,14 +36,49 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def training_defaults(model_path) -> dict:
+    """What the model at ``model_path`` was trained on, from its ``training.json`` (written by
+    :mod:`samcache.tasks.training`): ``size`` (height, width), ``dense`` and ``kind``; {} without one."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(model_path) / "training.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text()).get("config", {})
+    out = {}
+    if "size" in config:
+        out["size"] = tuple(config["size"])
+    if "dense_eval" in config:
+        out["dense"] = bool(config["dense_eval"])
+    if "kind" in config:
+        out["kind"] = str(config["kind"])
+    return out
+
+
+#: The image kind each trace scenario shows.
+SCENARIO_KINDS = {"gui": "gui", "subagent": "gui", "reorder": "docs"}
+
+
+def check_scenario(scenario: str, trained: dict) -> None:
+    """Refuse a scenario whose images the model was not trained on (it would score near chance
+    and say nothing about reuse)."""
+    kind = trained.get("kind")
+    if kind in ("gui", "docs") and SCENARIO_KINDS.get(scenario, kind) != kind:
+        raise ValueError(f"the model was trained on {kind} images; scenario {scenario!r} shows "
+                         f"{SCENARIO_KINDS[scenario]} images (choose from "
+                         f"{', '.join(k for k, v in SCENARIO_KINDS.items() if v == kind)})")
+
+
 def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Sequence[str] = ("baseline", "prefix", "samcache"),
                     recompute: Sequence[float] = (0.05,), device: str = "cpu", calibrate: bool = True,
-                    max_new_tokens: int = 6, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
+                    max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
                     progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
-    agreement medians."""
+    agreement medians. ``max_new_tokens``: per turn; None takes each turn's own budget
+    (``Turn.max_new_tokens``, room for a description on dense traces)."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.tasks.visual_qa import is_correct
@@ -55,7 +90,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         raise ValueError(f"task accuracy runs samcache's engine modes; {', '.join(peers)} cannot answer the traces")
     if not traces or any(len(t) == 0 for t in traces):
         raise ValueError("traces must be a non-empty list of non-empty traces")
-    check_int("max_new_tokens", max_new_tokens, 1)
+    if max_new_tokens is not None:
+        check_int("max_new_tokens", max_new_tokens, 1)
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20)
     runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
     curves = shared.calibrate(progress=progress) if calibrate and any(MODES[m].layer_aware for m, _ in runs) else None
@@ -72,10 +108,11 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
             for index, turn in enumerate(trace):
-                r = engine.chat(messages=turn.messages, max_new_tokens=max_new_tokens,
+                r = engine.chat(messages=turn.messages, max_new_tokens=max_new_tokens or turn.max_new_tokens,
                                 fidelity=fidelity and mode != "baseline")
                 f = r.metrics.fidelity
-                turns.append({"turn": index, "question_type": turn.question_type, "answer": turn.answer,
+                turns.append({"turn": index, "question_type": turn.question_type, "question": turn.question,
+                              "answer": turn.answer,
                               "reply": r.text, "correct": bool(is_correct(r.text, turn.answer)),
                               "image_reused_tokens": r.metrics.image_reused_tokens,
                               "kl": None if f is None else f.kl, "greedy_agree": None if f is None else f.greedy_agree})
@@ -102,4 +139,84 @@ def _summary(turns: list[dict]) -> dict:
     }
 
 
-__all__ = ["evaluate_traces", "wilson_interval"]
+def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict:
+    """Accuracy of run ``a`` minus run ``b`` over the same turns, with a paired confidence interval
+    (normal approximation on the per-turn differences, each -1, 0 or 1): paired, because every
+    run answers the same turns, so the turns' difficulty cancels out."""
+    ta, tb = a["turns"], b["turns"]
+    if len(ta) != len(tb) or any((x["turn"], x["answer"]) != (y["turn"], y["answer"]) for x, y in zip(ta, tb)):
+        raise ValueError("paired_difference needs two runs over the same turns")
+    diffs = [int(x["correct"]) - int(y["correct"]) for x, y in zip(ta, tb)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = statistics.stdev(diffs) if n > 1 else 0.0
+    half = z * sd / math.sqrt(n)
+    return {"difference": mean, "interval": (mean - half, mean + half), "turns": n,
+            "a_only": diffs.count(1), "b_only": diffs.count(-1)}
+
+
+def _run_name(run: dict) -> str:
+    return run["mode"] if run["recompute"] is None else f"{run['mode']} @ {run['recompute']:g}"
+
+
+def comparisons(out: dict) -> list[dict]:
+    """The comparisons the task eval is for, where its runs allow: each recompute run against the
+    full prefill (``baseline``), layer-aware (``samcache``) against ``uniform-budget`` and two-track
+    (``samcache``) against ``head-only`` at each shared ratio."""
+    runs = {(r["mode"], r["recompute"]): r for r in out["runs"]}
+    rows = []
+    full = runs.get(("baseline", None))
+    for (mode, ratio), run in runs.items():
+        if full is not None and mode != "baseline":
+            rows.append({"a": _run_name(run), "b": "baseline", **paired_difference(run, full)})
+    for other in ("uniform-budget", "head-only"):
+        for (mode, ratio), run in runs.items():
+            if mode == "samcache" and (other, ratio) in runs:
+                rows.append({"a": _run_name(run), "b": _run_name(runs[(other, ratio)]),
+                             **paired_difference(run, runs[(other, ratio)])})
+    return rows
+
+
+def plot(out: dict, path) -> None:
+    """Accuracy (with its Wilson interval) and median next-token KL against the recompute ratio,
+    one line per recompute mode, the full prefill and prefix reuse as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, kl) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in out["runs"]:
+        if run["recompute"] is None:
+            acc.axhline(run["accuracy"], linestyle="--", linewidth=1, label=run["mode"],
+                        color="black" if run["mode"] == "baseline" else "grey")
+    by_mode: dict[str, list[dict]] = {}
+    for run in out["runs"]:
+        if run["recompute"] is not None:
+            by_mode.setdefault(run["mode"], []).append(run)
+    for mode, runs in by_mode.items():
+        runs = sorted(runs, key=lambda r: r["recompute"])
+        x = [r["recompute"] for r in runs]
+        y = [r["accuracy"] for r in runs]
+        err = [[r["accuracy"] - r["interval"][0] for r in runs], [r["interval"][1] - r["accuracy"] for r in runs]]
+        acc.errorbar(x, y, yerr=err, marker="o", capsize=3, label=mode)
+        kls = [(r["recompute"], r["kl_median"]) for r in runs if r["kl_median"]]
+        if kls:
+            kl.plot(*zip(*kls), marker="o", label=mode)
+    acc.set(xscale="symlog", xlabel="recompute ratio", ylabel="task accuracy", ylim=(0, 1.02),
+            title=f"accuracy on {out['traces']} held-out traces")
+    acc.set_xscale("symlog", linthresh=0.02)
+    kl.set(xlabel="recompute ratio", ylabel="median next-token KL (nats)", title="fidelity against a full prefill")
+    kl.set_xscale("symlog", linthresh=0.02)
+    if kl.lines:
+        kl.set_yscale("log")
+    for ax in (acc, kl):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["SCENARIO_KINDS", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "plot", "training_defaults", "wilson_interval"]

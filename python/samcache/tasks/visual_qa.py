@@ -533,12 +533,21 @@ DENSE_INSTRUCTION = "Describe every element, then answer."
 
 def dense_reply(example: Example) -> str:
     """The dense-supervision reply: every image described, then 'Answer: <answer>'."""
-    if len(example.specs) == 1:
-        lines = [describe(example.specs[0])]
+    return _dense_text(example.specs, example.kind, example.answer)
+
+
+def _dense_text(specs: Sequence[ImageSpec], family: str, answer: str) -> str:
+    if len(specs) == 1:
+        lines = [describe(specs[0])]
     else:
-        lines = [f"{ORDINALS[i].capitalize()} {_noun(s.kind, example.kind)}: {describe(s)}"
-                 for i, s in enumerate(example.specs)]
-    return "\n".join([*lines, f"Answer: {example.answer}"])
+        lines = [f"{ORDINALS[i].capitalize()} {_noun(s.kind, family)}: {describe(s)}" for i, s in enumerate(specs)]
+    return "\n".join([*lines, f"Answer: {answer}"])
+
+
+def dense_token_budget(num_images: int) -> int:
+    """Enough new tokens for a dense reply about ``num_images`` images (about 10 tokens per
+    element, up to 4 elements per image, and the answer)."""
+    return 8 + 44 * num_images
 
 
 def messages(example: Example, *, dense: bool = False, system: str | None = None,
@@ -569,6 +578,15 @@ def is_correct(reply: str, answer: str) -> bool:
 # --------------------------------------------------------------------------------------- traces
 
 SCENARIOS = ("gui", "reorder", "subagent")
+#: The traces' system prompts (``{index}``: the sub-agent's number). Without ``dense`` each gets
+#: ANSWER_HINT appended; the training script frames part of its examples with them.
+SYSTEM_PROMPTS = {
+    "gui": "You are a GUI agent. You see your last screenshots, oldest first.",
+    "reorder": "You are a document analyst. Answer from the pages shown.",
+    "planner": "You are a planner for a GUI agent.",
+    "subagent": "You are sub-agent {index}, checking one part of the screens.",
+}
+ANSWER_HINT = "Answer in one or two words."
 
 
 @dataclass
@@ -637,8 +655,32 @@ def _ask(rng: np.random.Generator, specs: Sequence[ImageSpec], family: str) -> t
             _answer(qt, specs, target, **kw), target)
 
 
+def framed_messages(example: Example, seed: int, *, dense: bool = True) -> list[dict]:
+    """``example`` as the traces send it, for training a model that answers them: drawn from
+    ``seed``, half the time a trace's system prompt (SYSTEM_PROMPTS, the one of the example's
+    family), for GUI agents a 'Step k.' prefix half the time, and one time in five a second turn:
+    the reply, then a text-only follow-up question about the same images (as the sub-agent
+    traces continue). Every assistant turn is a training target."""
+    check_seed(seed)
+    rng = np.random.default_rng(seed)
+    family = "reorder" if example.kind == "docs" else ("planner", "subagent", "gui")[int(rng.integers(3))]
+    system = None
+    if rng.random() < 0.5:
+        text = SYSTEM_PROMPTS[family].format(index=int(rng.integers(MAX_IMAGES)))
+        system = text if dense else f"{text} {ANSWER_HINT}"
+    msgs = messages(example, dense=dense, system=system)
+    if family == "gui" and rng.random() < 0.5:
+        user = msgs[-2]
+        user["content"][-1] = {"type": "text", "text": f"Step {int(rng.integers(10))}. {user['content'][-1]['text']}"}
+    if rng.random() < 0.2:
+        _, text, answer, _ = _ask(rng, example.specs, example.kind)
+        msgs.append({"role": "user", "content": f"{text} {DENSE_INSTRUCTION}" if dense else text})
+        msgs.append({"role": "assistant", "content": _dense_text(example.specs, example.kind, answer) if dense else answer})
+    return msgs
+
+
 def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
-          size: tuple[int, int] = DEFAULT_SIZE) -> list[Turn]:
+          size: tuple[int, int] = DEFAULT_SIZE, dense: bool = False) -> list[Turn]:
     """A multi-turn trace drawn from ``seed`` whose images move between turns, each turn with a
     known answer.
 
@@ -649,6 +691,10 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
     - ``subagent``: ``window`` screenshots; a planner turn, then sub-agents (own system prompts) over
       the screenshots in a new order each, then the last sub-agent's conversation continued with its
       history (scripted correct replies) and text-only follow-up questions about its images.
+
+    ``dense``: every question asks for the description first (DENSE_INSTRUCTION, as a model
+    trained with dense replies expects), scripted replies are dense replies, and each turn's
+    ``max_new_tokens`` leaves room for the description (:func:`dense_token_budget`).
     """
     check_seed(seed)
     if scenario not in SCENARIOS:
@@ -659,19 +705,26 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
     size = _check_size(size)
     rng = np.random.default_rng(seed)
     out: list[Turn] = []
-    answer_hint = "Answer in one or two words."
+
+    def system(role: str, **fields) -> dict:
+        text = SYSTEM_PROMPTS[role].format(**fields)
+        return {"role": "system", "content": text if dense else f"{text} {ANSWER_HINT}"}
+
+    def ask(specs, family):
+        qt, text, answer, target = _ask(rng, specs, family)
+        return qt, (f"{text} {DENSE_INSTRUCTION}" if dense else text), answer, target
 
     def turn(label, msgs, ids, specs, qt, answer, target) -> Turn:
-        return Turn(label, msgs, answer, _choices(qt, len(ids)), qt, target, tuple(ids), tuple(specs))
+        budget = dense_token_budget(len(ids)) if dense else Turn.max_new_tokens
+        return Turn(label, msgs, answer, _choices(qt, len(ids)), qt, target, tuple(ids), tuple(specs), budget)
 
     if scenario == "gui":
         pool = [_random_gui(rng, size) for _ in range(turns)]
-        system = f"You are a GUI agent. You see your last screenshots, oldest first. {answer_hint}"
         for t in range(turns):
             ids = list(range(max(0, t - window + 1), t + 1))
             specs = [pool[i] for i in ids]
-            qt, text, answer, target = _ask(rng, specs, "gui")
-            msgs = [{"role": "system", "content": system},
+            qt, text, answer, target = ask(specs, "gui")
+            msgs = [system("gui"),
                     user_message([render(s) for s in specs], f"Step {t}. {text}")]
             out.append(turn(f"step {t}", msgs, ids, specs, qt, answer, target))
         return out
@@ -679,7 +732,6 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
     if scenario == "reorder":
         titles = rng.permutation(TITLES)[:window + 2]
         pool = [_random_page(rng, size, str(ti)) for ti in titles]
-        system = f"You are a document analyst. Answer from the pages shown. {answer_hint}"
         previous: list[int] = []
         for t in range(turns):
             ids = [int(i) for i in rng.permutation(len(pool))[:window]]
@@ -687,8 +739,8 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
                 ids = [int(i) for i in rng.permutation(len(pool))[:window]]
             previous = ids
             specs = [pool[i] for i in ids]
-            qt, text, answer, target = _ask(rng, specs, "docs")
-            msgs = [{"role": "system", "content": system}, user_message([render(s) for s in specs], text)]
+            qt, text, answer, target = ask(specs, "docs")
+            msgs = [system("reorder"), user_message([render(s) for s in specs], text)]
             out.append(turn(f"question {t}", msgs, ids, specs, qt, answer, target))
         return out
 
@@ -698,8 +750,8 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
     follow_ups = turns - 1 - branches
     ids = list(range(window))
     specs = [pool[i] for i in ids]
-    qt, text, answer, target = _ask(rng, specs, "gui")
-    out.append(turn("plan", [{"role": "system", "content": f"You are a planner for a GUI agent. {answer_hint}"},
+    qt, text, answer, target = ask(specs, "gui")
+    out.append(turn("plan", [system("planner"),
                              user_message([render(s) for s in specs], text)], ids, specs, qt, answer, target))
     history: list[dict] = []
     for b in range(branches):
@@ -709,20 +761,21 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
                 order = [int(i) for i in rng.permutation(window)]
         ids = order
         specs = [pool[i] for i in ids]
-        qt, text, answer, target = _ask(rng, specs, "gui")
-        history = [{"role": "system", "content": f"You are sub-agent {b}, checking one part of the screens. {answer_hint}"},
+        qt, text, answer, target = ask(specs, "gui")
+        history = [system("subagent", index=b),
                    user_message([render(s) for s in specs], text)]
         out.append(turn(f"branch {b}", list(history), ids, specs, qt, answer, target))
     for c in range(follow_ups):
-        qt, text, answer, target = _ask(rng, specs, "gui")
-        history = [*history, {"role": "assistant", "content": out[-1].answer}, {"role": "user", "content": text}]
+        qt, text, answer, target = ask(specs, "gui")
+        scripted = _dense_text(specs, "gui", out[-1].answer) if dense else out[-1].answer
+        history = [*history, {"role": "assistant", "content": scripted}, {"role": "user", "content": text}]
         out.append(turn(f"continue {c}", list(history), ids, specs, qt, answer, target))
     return out
 
 
 __all__ = [
-    "ANSWER_SETS", "CELLS", "COLOURS", "DEFAULT_SIZE", "DENSE_INSTRUCTION", "IMAGE_KINDS", "KINDS", "LABELS",
+    "ANSWER_HINT", "ANSWER_SETS", "CELLS", "COLOURS", "DEFAULT_SIZE", "DENSE_INSTRUCTION", "IMAGE_KINDS", "KINDS", "LABELS",
     "MAX_IMAGES", "ORDINALS", "QUESTIONS", "SCENARIOS", "SPLITS", "TITLES", "WORDS", "Element", "Example",
-    "ImageSpec", "QuestionType", "Turn", "cell_box", "dense_reply", "describe", "examples", "is_correct",
+    "ImageSpec", "QuestionType", "SYSTEM_PROMPTS", "Turn", "cell_box", "dense_reply", "dense_token_budget", "framed_messages", "describe", "examples", "is_correct",
     "make_example", "messages", "parse_answer", "render", "split_seed", "trace",
 ]

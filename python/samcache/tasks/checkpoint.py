@@ -1,0 +1,105 @@
+"""The trained visual-QA checkpoint shipped with samcache: where it is, how it is checked, how a
+training run becomes one.
+
+The checkpoint is a tiny Qwen2.5-VL trained on :mod:`samcache.tasks.visual_qa` by
+:mod:`samcache.tasks.training` (the script and its ``training.json`` travel with it, so anyone can
+reproduce it from the seed). It is stored in float16 safetensors with a SHA-256 of every file in
+``SHA256SUMS``; :func:`trained_model` verifies them before handing out the path, so a truncated or
+altered file is an error, never a silently different model. Any engine that loads Hugging Face
+checkpoints loads the folder (samcache's engine runs it in float32 on CPU by default).
+
+    from samcache.tasks.checkpoint import trained_model
+    engine = SAMcacheEngine(trained_model())
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import shutil
+
+#: The folder of the shipped checkpoint, inside the package.
+SHIPPED = pathlib.Path(__file__).with_name("checkpoints") / "visual-qa"
+CHECKSUMS = "SHA256SUMS"
+#: The files a shipped checkpoint holds (all of them checksummed).
+FILES = ("config.json", "generation_config.json", "model.safetensors", "processor_config.json", "tokenizer.json",
+         "tokenizer_config.json", "chat_template.jinja", "training.json")
+
+
+class CheckpointError(RuntimeError):
+    """The shipped checkpoint is missing, incomplete or does not match its checksums."""
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_checksums(folder) -> dict[str, str]:
+    """{file name: SHA-256} from ``folder``/SHA256SUMS (``sha256sum`` format)."""
+    path = pathlib.Path(folder) / CHECKSUMS
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: not a shipped checkpoint (see samcache.tasks.checkpoint.ship)")
+    sums = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, _, name = line.partition("  ")
+            sums[name.strip()] = digest.strip()
+    return sums
+
+
+def verify(folder) -> pathlib.Path:
+    """Check every file of the checkpoint in ``folder`` against its SHA256SUMS; the folder's path."""
+    folder = pathlib.Path(folder)
+    sums = read_checksums(folder)
+    missing = [n for n in FILES if n not in sums]
+    if missing:
+        raise CheckpointError(f"{folder / CHECKSUMS} lists no checksum for {', '.join(missing)}")
+    for name, digest in sums.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing from the checkpoint")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path} does not match its checksum in {CHECKSUMS}: the file is damaged or "
+                                  "was changed; restore it (git checkout) or retrain (samcache.tasks.training)")
+    return folder
+
+
+def trained_model() -> pathlib.Path:
+    """The shipped visual-QA checkpoint's folder, verified against its checksums."""
+    return verify(SHIPPED)
+
+
+def ship(trained, dest=SHIPPED) -> pathlib.Path:
+    """Turn a training run's folder (float32, from :func:`samcache.tasks.training.train`) into a
+    shipped checkpoint in ``dest``: weights in float16, the config saying so, every file
+    checksummed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dest = pathlib.Path(trained), pathlib.Path(dest)
+    absent = [n for n in FILES if not (src / n).is_file()]
+    if absent:
+        raise CheckpointError(f"{src} is not a finished training run: {', '.join(absent)} missing")
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    save_file({k: v.to(torch.float16) if v.is_floating_point() else v for k, v in weights.items()},
+              dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}, config.get("vision_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            if key in section:
+                section[key] = "float16"
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in FILES:
+        if name not in ("model.safetensors", "config.json"):
+            shutil.copyfile(src / name, dest / name)
+    (dest / CHECKSUMS).write_text("".join(f"{_sha256(dest / n)}  {n}\n" for n in FILES))
+    return verify(dest)
+
+
+__all__ = ["CHECKSUMS", "FILES", "SHIPPED", "CheckpointError", "read_checksums", "ship", "trained_model", "verify"]

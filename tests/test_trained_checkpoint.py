@@ -1,0 +1,50 @@
+"""Shipping a trained visual-QA checkpoint: ship() writes float16 weights with checksums that
+load as a Hugging Face model; verify() and ship() refuse damaged or incomplete checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from samcache.tasks import checkpoint
+
+
+@pytest.fixture
+def trained_run(tmp_path):
+    from samcache.models import build_tiny_model
+
+    run = build_tiny_model("qwen2_5_vl", tmp_path / "run", seed=0)
+    (run / "training.json").write_text(json.dumps({"config": {"size": [84, 84]}, "curve": []}))
+    return run
+
+
+def test_ship_writes_float16_weights_with_checksums(trained_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from samcache.models import model_class
+
+    dest = checkpoint.ship(trained_run, tmp_path / "shipped")
+    weights = load_file(dest / "model.safetensors")
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {__import__("torch").float16}
+    assert checkpoint.verify(dest) == dest
+    model_class("qwen2_5_vl").from_pretrained(dest)  # loads as a Hugging Face checkpoint
+
+
+def test_damaged_or_incomplete_checkpoints_are_refused(trained_run, tmp_path):
+    dest = checkpoint.ship(trained_run, tmp_path / "shipped")
+    weights = dest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
+        checkpoint.verify(dest)
+    weights.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="missing"):
+        checkpoint.verify(dest)
+    (dest / checkpoint.CHECKSUMS).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="SHA256SUMS is missing"):
+        checkpoint.verify(dest)
+    (trained_run / "training.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="not a finished training run"):
+        checkpoint.ship(trained_run, tmp_path / "again")
