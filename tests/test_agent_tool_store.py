@@ -99,16 +99,19 @@ def test_concurrent_writers(tmp_path):
     def work(offset):
         try:
             for i in range(20):
-                assert store.get(store.put(page(offset + i, 500)).key) == page(offset + i, 500)
+                text = page(offset + i, 20_000)
+                assert store.get(store.put(text).key) == text
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k * 100,)) for k in range(4)]
+    # Many threads, large enough results that compressions overlap (shared zstd objects once mixed
+    # two results' bytes here).
+    threads = [threading.Thread(target=work, args=(k * 100,)) for k in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and store.stats()["results"] == 80
+    assert not errors and store.stats()["results"] == 120
 
 
 @settings(max_examples=40, deadline=None)
@@ -119,3 +122,19 @@ def test_any_text_round_trips_and_the_bound_holds(texts):
         item = store.put(t)
         assert store.get(item.key) == t  # the newest result is always there
         assert store.stats()["stored_bytes"] <= 600
+
+
+def test_a_damaged_payload_is_dropped_never_returned(tmp_path):
+    import sqlite3
+
+    import zstandard
+
+    path = tmp_path / "tools.db"
+    store = ToolResultStore(path)
+    key = store.put(page(7)).key
+    other = zstandard.ZstdCompressor().compress(page(8).encode())
+    with sqlite3.connect(path) as db:  # another result's bytes under this key
+        db.execute("UPDATE results SET payload = ? WHERE key = ?", (other, key))
+    with pytest.raises(KeyError, match="damaged"):
+        store.get(key)
+    assert not store.contains(key)

@@ -277,6 +277,23 @@ def test_dense_traces_ask_for_descriptions_and_leave_room_for_them(scenario):
             assert all(vqa.describe(s) in scripted for s in prev.specs) and scripted.endswith(f"Answer: {prev.answer}")
 
 
+@pytest.mark.parametrize("kind", ["gui", "docs", "mixed"])
+def test_evidence_repeats_the_part_of_the_description_that_holds_the_answer(kind):
+    for seed in range(150):
+        ex = vqa.make_example(vqa.split_seed("train", seed), num_images=1 + seed % 4, kind=kind, size=(84, 84))
+        found = vqa.evidence(ex)
+        reply = vqa.dense_reply(ex, evidence=True)
+        assert reply == vqa.dense_reply(ex).replace("\nAnswer:", f"\nFound: {found}\nAnswer:")
+        spec = ex.specs[ex.target_image]
+        body = found.split(": ", 1)[1] if len(ex.specs) > 1 else found
+        assert body in vqa.describe(spec)  # a copy of the target image's description
+        if len(ex.specs) > 1:
+            assert found.startswith(vqa.ORDINALS[ex.target_image].capitalize())
+        if ex.answer not in vqa.ORDINALS:
+            assert ex.answer in body
+        assert vqa.is_correct(reply, ex.answer)
+
+
 def test_framed_messages_frame_an_example_as_the_traces_do():
     seen = {"system": 0, "step": 0, "follow_up": 0}
     for seed in range(200):

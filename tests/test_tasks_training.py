@@ -127,3 +127,17 @@ def test_a_run_continues_from_an_earlier_one(tmp_path):
     assert set(after) == set(before) and any(not (after[k] == before[k]).all() for k in before)
     with pytest.raises(ValueError, match="not a training run"):
         train(tmp_path / "c", TrainConfig(steps=1, init_from=str(tmp_path / "nothing"), **small), progress=False)
+
+
+def test_the_dense_token_budget_holds_the_longest_replies(tmp_path):
+    """A budget too short cuts the answer off and scores a right reply as wrong."""
+    from samcache.engine.loading import load_processor
+    from samcache.models import build_tiny_model
+
+    build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
+    tok = load_processor(tmp_path).tokenizer
+    for n in range(1, vqa.MAX_IMAGES + 1):
+        longest = max(len(tok(vqa.dense_reply(vqa.make_example(vqa.split_seed("test", i), num_images=n, size=(84, 84)),
+                                              evidence=True)
+                              + "<|im_end|>", add_special_tokens=False)["input_ids"]) for i in range(200))
+        assert longest <= vqa.dense_token_budget(n), (n, longest)

@@ -74,8 +74,11 @@ class ToolResultStore:
             check_int("max_item_bytes", max_item_bytes, 1)
         self.max_bytes = max_bytes
         self.max_item_bytes = max_item_bytes or max_bytes
-        self._compress = zstandard.ZstdCompressor(level=level).compress
-        self._decompress = zstandard.ZstdDecompressor().decompress
+        # zstd (de)compressor objects are not thread-safe (shared ones mixed two results' bytes
+        # under concurrent puts): one pair per thread.
+        self._level = level
+        self._codecs = threading.local()
+        self._zstd = zstandard
         self._lock = threading.Lock()
         if str(path) != ":memory:":
             path = Path(path)
@@ -120,6 +123,18 @@ class ToolResultStore:
                 raise
         return item
 
+    def _codec(self):
+        codec = getattr(self._codecs, "pair", None)
+        if codec is None:
+            codec = self._codecs.pair = (self._zstd.ZstdCompressor(level=self._level), self._zstd.ZstdDecompressor())
+        return codec
+
+    def _compress(self, raw: bytes) -> bytes:
+        return self._codec()[0].compress(raw)
+
+    def _decompress(self, payload: bytes) -> bytes:
+        return self._codec()[1].decompress(payload)
+
     def _tick(self) -> int:
         return self._db.execute("SELECT COALESCE(MAX(last_used), 0) + 1 FROM results").fetchone()[0]
 
@@ -142,7 +157,15 @@ class ToolResultStore:
             if row is None:
                 raise KeyError(f"no tool result {key!r} for tenant {tenant!r} (never stored, or evicted)")
             self._db.execute("UPDATE results SET last_used = ? WHERE tenant = ? AND key = ?", (self._tick(), tenant, key))
-        return self._decompress(row[0]).decode("utf-8")
+        try:
+            text = self._decompress(row[0]).decode("utf-8")
+        except (self._zstd.ZstdError, UnicodeDecodeError):
+            text = None
+        if text is None or content_key(text) != key:  # damaged: drop it, never return other content
+            with self._lock:
+                self._db.execute("DELETE FROM results WHERE tenant = ? AND key = ?", (tenant, key))
+            raise KeyError(f"tool result {key!r} for tenant {tenant!r} was damaged in the store and is dropped")
+        return text
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)

@@ -54,6 +54,8 @@ class TrainConfig:
     ``vision_steps`` of ``vision_batch_size`` images at ``vision_lr`` train the vision tower first
     (:func:`train_vision`), which then learns at ``vision_lr_scale`` times ``lr``;
     ``answer_weight``: the loss weight of the answer's tokens (1 for the description's);
+    ``evidence``: dense replies repeat the part of the description that holds the answer before
+    it (:func:`samcache.tasks.visual_qa.evidence`);
     ``init_from``: an earlier run to continue (its weights, and the train examples after those it
     saw; set ``vision_steps=0``).
 
@@ -76,6 +78,7 @@ class TrainConfig:
     dense_fraction: float = 1.0
     answer_weight: float = 20.0
     framed: bool = True
+    evidence: bool = False
     init_from: str | None = None
     dense_eval: bool = True
     kind: str = "gui"
@@ -351,8 +354,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
             dense = bool(rng.random() < config.dense_fraction)
             # Framed as the traces send it (system prompts, step numbers, follow-up turns), so the
             # model answers them too.
-            batch.append(task.framed_messages(ex, int(rng.integers(2**31)), dense=dense) if config.framed
-                         else task.messages(ex, dense=dense))
+            batch.append(task.framed_messages(ex, int(rng.integers(2**31)), dense=dense, evidence=config.evidence)
+                         if config.framed else task.messages(ex, dense=dense, evidence=config.evidence))
             seen += 1
         loss = weighted_loss(model, encode_batch(processor, batch, config.answer_weight))
         loss.backward()
@@ -394,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of the vision stage (0: none)")
     parser.add_argument("--init", default=None, metavar="RUN",
                         help="continue from this training run's weights (use with --vision-steps 0)")
+    parser.add_argument("--evidence", action="store_true",
+                        help="dense replies repeat the element that holds the answer before answering")
     parser.add_argument("--answer-weight", type=float, default=TrainConfig.answer_weight,
                         help="loss weight of the answer tokens against 1 for the description")
     parser.add_argument("--dense-fraction", type=float, default=TrainConfig.dense_fraction)
@@ -402,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, eval_examples=args.eval_examples, threads=args.threads,
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
-                         answer_weight=args.answer_weight, init_from=args.init, dense_eval=args.dense_fraction > 0,
+                         answer_weight=args.answer_weight, init_from=args.init, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
                          size=tuple(args.image_size))
     if args.images:
         config.curriculum = tuple((n, 1.0) for n in args.images)
