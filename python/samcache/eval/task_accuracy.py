@@ -211,6 +211,7 @@ def plot(out: dict, path) -> None:
     if kl.lines:
         kl.set_yscale("log")
     for ax in (acc, kl):
+        ax.set_xlim(left=0)  # ratios are >= 0: no negative side of the symlog axis
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -301,8 +301,9 @@ def _copy_run(src: pathlib.Path, out: pathlib.Path) -> int:
         for f in src.iterdir():
             if f.is_file() and f.name != "training.json":
                 shutil.copyfile(f, out / f.name)
-    curve = json.loads(report.read_text()).get("curve") or [{}]
-    return int(curve[-1].get("examples_seen", 0)) + int(json.loads(report.read_text())["config"].get("first_example", 0))
+    earlier = json.loads(report.read_text())
+    last = (earlier.get("curve") or [{}])[-1]
+    return int(last.get("examples_seen", 0)) + int(earlier.get("config", {}).get("first_example", 0))
 
 
 def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) -> dict:
