@@ -103,6 +103,10 @@ def test_bad_messages_are_refused():
         c.compress([{"content": "x"}])
     with pytest.raises(TypeError):
         c.compress("hello")
+    with pytest.raises(ValueError, match="tenant"):
+        ContextCompressor(tenant="")
+    with pytest.raises(TypeError, match="count_tokens"):
+        ContextCompressor(count_tokens=5)
 
 
 _text = st.text(alphabet=st.sampled_from("ab .\n"), min_size=0, max_size=400)

@@ -128,3 +128,5 @@ def test_policies_by_name_and_bad_plans():
     policy = WorkflowAwarePolicy([pipeline()])
     with pytest.raises(ValueError, match="already planned"):
         policy.add(pipeline())
+    with pytest.raises(ValueError, match="horizon"):
+        policy.prefetch([], horizon=0)

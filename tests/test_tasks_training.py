@@ -44,7 +44,7 @@ def test_curriculum_stages():
     assert [config.images_at(s) for s in range(10)] == [1] * 5 + [4] * 5
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=0)])
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=0), dict(vision_steps=-1), dict(answer_weight=0.0)])
 def test_bad_config_is_refused(tmp_path, bad):
     with pytest.raises(ValueError):
         train(tmp_path, TrainConfig(**bad), progress=False)

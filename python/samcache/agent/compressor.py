@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from samcache._checks import check_int
+from samcache.agent.tool_store import _check_tenant
 
 STAGES = ("results", "dedupe", "tools", "history")
 _WORDS = re.compile(r"\w+|[^\w\s]")
@@ -104,6 +105,9 @@ class ContextCompressor:
                  count_tokens: Callable[[str], int] | None = None):
         self.config = config or CompressorConfig()
         self.store = store
+        _check_tenant(tenant)
+        if count_tokens is not None and not callable(count_tokens):
+            raise TypeError(f"count_tokens must be a function of a str, got {type(count_tokens).__name__}")
         self.tenant = tenant
         self.count_tokens = count_tokens or approx_tokens
 

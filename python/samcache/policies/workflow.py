@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from samcache._checks import check_int
 from samcache.policies.base import PRIORITY_MIN, EvictionPolicy, ItemState, clamp_priority
 
 #: Steps to execution of an agent that will not run again.
@@ -119,6 +120,8 @@ class WorkflowAwarePolicy(EvictionPolicy):
     def prefetch(self, items: Iterable[ItemState], horizon: int = 2) -> list[Hashable]:
         """Keys of the items the agents of the next ``horizon`` steps need that do not run now,
         soonest first: what to bring up a tier before their turn."""
+        check_int("horizon", horizon, 1)
+
         def soon(item):
             return self.steps_to_execution(item.agents)
 

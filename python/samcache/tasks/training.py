@@ -319,6 +319,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
     check_int("steps", config.steps, 1)
     check_int("batch_size", config.batch_size, 1)
     check_int("vision_steps", config.vision_steps, 0)
+    if not config.answer_weight > 0:
+        raise ValueError(f"answer_weight must be > 0, got {config.answer_weight!r}")
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     out = pathlib.Path(out_dir)
