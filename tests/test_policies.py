@@ -130,3 +130,15 @@ def test_policies_by_name_and_bad_plans():
         policy.add(pipeline())
     with pytest.raises(ValueError, match="horizon"):
         policy.prefetch([], horizon=0)
+
+
+def test_workflow_ran_advances_only_the_workflow_whose_step_it_is():
+    a = Workflow.sequence("a", ["plan", "work"])
+    b = Workflow.sequence("b", ["plan", "check"])
+    policy = WorkflowAwarePolicy([a, b])
+    assert policy.ran("b/plan") and b.current == "check" and a.current == "plan"
+    assert not policy.ran("b/plan")  # out of order: nothing advances
+    assert policy.ran("work") is False and a.current == "plan"  # 'work' is not a's current step
+    assert policy.ran("plan") and a.current == "work"  # unique-enough name: the first workflow at that step
+    with pytest.raises(TypeError, match="agent"):
+        policy.ran(3)

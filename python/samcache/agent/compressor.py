@@ -27,7 +27,6 @@ import copy
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from samcache._checks import check_int
 from samcache.agent.tool_store import _check_tenant

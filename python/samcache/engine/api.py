@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
+from samcache.agent.branches import Branch, ContextTree, TreeMemory
 from samcache.block_pool import BlockPool
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.families import detect_family
@@ -41,7 +42,9 @@ from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.scheduler import Admission, Finished, Scheduler
 from samcache.errors import PromptTooLong
+from samcache.engine.priorities import CachePriorities
 from samcache.hashing import Namespace
+from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, WorkflowAwarePolicy, make_policy
 from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
 from samcache.reuse import RecomputeBudget
 from samcache.stores import ImageKVStore, TensorStore
@@ -50,10 +53,20 @@ from samcache.stores import ImageKVStore, TensorStore
 @dataclass
 class Session:
     """A conversation: the engine renders its whole history each turn (prefix reuse makes the
-    repeated part cheap). ``messages`` uses the chat format of :meth:`SAMcacheEngine.chat`."""
+    repeated part cheap). ``messages`` uses the chat format of :meth:`SAMcacheEngine.chat`.
+
+    ``branch``: with ``new_session(hold_context=True)``, the session's place in the engine's
+    context tree (:class:`samcache.agent.ContextTree`): after each turn it holds the turn's KV
+    blocks, so forks (:meth:`SAMcacheEngine.fork_session`) share them by reference and nothing a
+    live branch needs is evicted while the pool has cached blocks of others to give up."""
 
     messages: list[dict] = field(default_factory=list)
     tenant: str | None = None
+    branch: Branch | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def abandoned(self) -> bool:
+        return self.branch is not None and self.branch.state == "abandoned"
 
 
 @dataclass
@@ -72,6 +85,7 @@ class ChatRequest:
     fidelity_tokens: int = 8
     seed: int | None = None
     ignore_eos: bool = False
+    agent: str | None = None
 
     def __post_init__(self) -> None:
         if self.session is not None and not isinstance(self.session, Session):
@@ -86,6 +100,8 @@ class ChatRequest:
             check_seed(self.seed)
         if self.tenant is not None and not isinstance(self.tenant, (str, bytes)):
             raise TypeError(f"tenant must be a str, bytes or None, got {type(self.tenant).__name__}")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
+            raise TypeError(f"agent must be a non-empty str or None, got {self.agent!r}")
 
 
 @dataclass
@@ -164,6 +180,8 @@ class SAMcacheEngine:
         tenant: str | None = None,
         seed: int = 0,
         share_weights_with: "SAMcacheEngine | None" = None,
+        eviction_policy: str | EvictionPolicy = "lru",
+        eviction_options: dict | None = None,
     ) -> None:
         if compression_enabled:
             raise ValueError(
@@ -196,6 +214,17 @@ class SAMcacheEngine:
             raise ValueError(f"prefix_reuse must be 'exact' or 'approximate', got {prefix_reuse!r}")
         if recompute_budget not in ("layer-aware", "uniform"):
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
+        if isinstance(eviction_policy, EvictionPolicy):
+            if eviction_options:
+                raise ValueError("eviction_options go with a policy name, not with a policy object")
+            policy = eviction_policy
+        elif isinstance(eviction_policy, str):
+            if eviction_options is not None and not isinstance(eviction_options, dict):
+                raise TypeError(f"eviction_options must be a dict, got {type(eviction_options).__name__}")
+            policy = make_policy(eviction_policy, **(eviction_options or {}))
+        else:
+            raise TypeError(f"eviction_policy must be a policy name ({', '.join(POLICIES)}) or an EvictionPolicy, "
+                            f"got {type(eviction_policy).__name__}")
         self.model_path = pathlib.Path(model_path)
         self.family = detect_family(self.model_path)
         fingerprint = model_fingerprint(self.model_path)
@@ -237,20 +266,78 @@ class SAMcacheEngine:
         self.vit_store = TensorStore("vit", vit_cache_bytes)
         self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
                                            self.runner.block_bytes)
+        self.contexts = ContextTree(self.pool)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
-                                 image_kv_store=self.image_kv_store)
+                                 image_kv_store=self.image_kv_store, contexts=self.contexts)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
+        self.eviction_policy = policy
+        # Plain LRU is the pool's and the stores' own order: nothing to track or write.
+        self.priorities = (None if isinstance(policy, LRUPolicy) else
+                           CachePriorities(policy, self.pool, [self.image_kv_store.entries, self.vit_store]))
         self.seed = seed
         self._turns = 0
         self._lock = threading.RLock()
 
     # ---- public API ---------------------------------------------------------------------------
-    def new_session(self, system: str | None = None, *, tenant: str | None = None) -> Session:
-        """A conversation, optionally with a system prompt, scoped to ``tenant`` (default: the engine's)."""
+    def new_session(self, system: str | None = None, *, tenant: str | None = None, hold_context: bool = False
+                    ) -> Session:
+        """A conversation, optionally with a system prompt, scoped to ``tenant`` (default: the engine's).
+
+        ``hold_context=True``: the session holds its KV blocks between turns (a root of the
+        engine's context tree), for agents that fork it (:meth:`fork_session`) and abandon
+        branches (:meth:`abandon_session`). Under memory pressure the least recently used holds
+        are given up first, after cached images; the KV then stays in the prefix cache until evicted."""
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str, got {type(system).__name__}")
+        if not isinstance(hold_context, bool):
+            raise TypeError(f"hold_context must be a bool, got {hold_context!r}")
         messages = [{"role": "system", "content": system}] if system is not None else []
-        return Session(messages=messages, tenant=tenant if tenant is not None else self.tenant)
+        tenant = tenant if tenant is not None else self.tenant
+        with self._lock:
+            branch = self.contexts.root(Namespace(self.model_id, tenant)) if hold_context else None
+        return Session(messages=messages, tenant=tenant, branch=branch)
+
+    def fork_session(self, session: Session, name: str | None = None) -> Session:
+        """A branch of ``session``: a copy of its history whose held KV blocks are shared with it by
+        reference (nothing copied; the first write into a shared partial block copies that block).
+        The branches continue independently. ``session`` must hold its context."""
+        self._check_branch(session, "fork")
+        with self._lock:
+            return Session(messages=list(session.messages), tenant=session.tenant, branch=session.branch.fork(name))
+
+    def abandon_session(self, session: Session, *, reclaim: bool = False) -> int:
+        """Close a held session for good: the blocks only it held become evictable at once, before
+        every other cached block (``reclaim=True`` frees them now). Its forks are not affected.
+        Returns how many blocks were released; a later turn on it raises ValueError."""
+        self._check_branch(session, "abandon")
+        with self._lock:
+            return session.branch.abandon(reclaim=reclaim)
+
+    def plan_workflow(self, workflow: Workflow) -> None:
+        """Tell the workflow-aware policy (``eviction_policy="workflow"``) the order in which a
+        workflow's agents run. Turns then name their agent (``chat(..., agent="name/agent")``);
+        each turn of the agent whose step it is advances the workflow, and what the agents
+        running soonest need is evicted last."""
+        if not isinstance(self.eviction_policy, WorkflowAwarePolicy):
+            raise ValueError(f"plan_workflow needs eviction_policy='workflow', this engine uses "
+                             f"{self.eviction_policy.name!r}")
+        if not isinstance(workflow, Workflow):
+            raise TypeError(f"workflow must be a samcache.policies.Workflow, got {type(workflow).__name__}")
+        with self._lock:
+            self.eviction_policy.add(workflow)
+
+    def context_memory(self) -> TreeMemory:
+        """Blocks the held sessions hold: distinct, as full clones, and per branch."""
+        with self._lock:
+            return self.contexts.memory()
+
+    @staticmethod
+    def _check_branch(session: Any, action: str) -> None:
+        if not isinstance(session, Session):
+            raise TypeError(f"session must be a Session (engine.new_session()), got {type(session).__name__}")
+        if session.branch is None:
+            raise ValueError(f"cannot {action} a session that does not hold its context; create it with "
+                             "engine.new_session(..., hold_context=True)")
 
     def chat(
         self,
@@ -267,6 +354,7 @@ class SAMcacheEngine:
         fidelity_tokens: int = 8,
         seed: int | None = None,
         ignore_eos: bool = False,
+        agent: str | None = None,
     ) -> ChatResult:
         """One turn. Either ``images`` + ``prompt`` (a user message; appended to ``session`` if
         given) or the whole ``messages`` list (``{"role", "content"}`` dicts; content is a string
@@ -277,10 +365,14 @@ class SAMcacheEngine:
         KL, top-1 agreement and the agreement of ``fidelity_tokens`` greedy tokens
         (``metrics.fidelity``); it is not counted in TTFT. ``ignore_eos=True`` always decodes
         ``max_new_tokens`` (benchmarks: the same work in every mode).
+
+        ``agent``: which agent of a multi-agent workflow this turn belongs to ('workflow/agent'),
+        for the workflow- and attention-aware eviction policies (:meth:`plan_workflow`).
         """
         request = ChatRequest(images=images, prompt=prompt, messages=messages, session=session,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, tenant=tenant,
-                              fidelity=fidelity, fidelity_tokens=fidelity_tokens, seed=seed, ignore_eos=ignore_eos)
+                              fidelity=fidelity, fidelity_tokens=fidelity_tokens, seed=seed, ignore_eos=ignore_eos,
+                              agent=agent)
         result = self._serve([request])[0]
         if isinstance(result, BaseException):
             raise result
@@ -371,8 +463,9 @@ class SAMcacheEngine:
                                          options or self.request_options())
 
     def check_invariants(self) -> None:
-        """Raise InvariantViolation if the pool or a store is inconsistent."""
+        """Raise InvariantViolation if the pool, a store or the context tree is inconsistent."""
         self.executor.check_invariants()
+        self.contexts.check_invariants()
 
     def layer_budget(self, ratio: float) -> LayerBudget:
         """Per-layer recompute rates for a mean ``ratio``: solved from the sensitivity curves
@@ -405,13 +498,18 @@ class SAMcacheEngine:
             prompt = "" if prompt is None else prompt  # an image-only turn
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            if req.session is not None and req.session.abandoned:
+                raise ValueError("this session was abandoned (engine.abandon_session); fork another one to go on")
             history = (list(req.session.messages) if req.session is not None else []) + [user_message(list(images or []), prompt)]
         tenant = req.tenant if req.tenant is not None else (req.session.tenant if req.session is not None else self.tenant)
         self._turns += 1
         prompt_ = self.build_prompt(history)
         self._check_fits(prompt_, req.max_new_tokens)
         adm = Admission(prompt_, Namespace(self.model_id, tenant), self.request_options(), sampler,
-                        req.max_new_tokens, ignore_eos=req.ignore_eos, keep_prefill=req.fidelity, arrival=start)
+                        req.max_new_tokens, ignore_eos=req.ignore_eos, keep_prefill=req.fidelity,
+                        keep_sequence=req.session is not None and req.session.branch is not None,
+                        sample_attention=self.priorities is not None and self.priorities.samples_attention,
+                        arrival=start)
         return adm, list(history)
 
     def _serve(self, requests: list[ChatRequest]) -> list:
@@ -425,8 +523,13 @@ class SAMcacheEngine:
                     where.append(i)
                 except Exception as e:  # noqa: BLE001 - this request's bad input only
                     results[i] = e
+            if self.priorities is not None:
+                self.priorities.apply()
             done = self.scheduler.run([a for a, _ in admitted])
             for i, (adm, history), out in zip(where, admitted, done):
+                if self.priorities is not None and not isinstance(out, BaseException):
+                    self.priorities.record(requests[i].agent, [s.key for s in self.executor.layout(adm.prompt,
+                                           adm.namespace).images], out.blocks, out.attention)
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
@@ -437,6 +540,11 @@ class SAMcacheEngine:
 
     def _result(self, req: ChatRequest, adm: Admission, history: list[dict], out: Finished) -> ChatResult:
         m = out.prepared.metrics
+        if out.sequence is not None:  # a held session: its branch now holds this turn's blocks
+            try:
+                req.session.branch.hold(out.sequence)
+            finally:
+                self.pool.free_sequence(out.sequence)
         if out.fork is not None:
             from samcache.eval.fidelity import measure_fidelity  # here: samcache.eval imports the engine
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from samcache.agent.branches import ContextTree
 from samcache.block_pool import BlockPool, slot_ids
 from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
@@ -99,12 +100,13 @@ class Executor:
     prefix cache) and the stores (ViT outputs, image KV)."""
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
-                 image_kv_store: ImageKVStore) -> None:
+                 image_kv_store: ImageKVStore, contexts: ContextTree | None = None) -> None:
         self.runner = runner
         self.pool = pool
         self.processor = processor
         self.vit_store = vit_store
         self.image_kv_store = image_kv_store
+        self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
 
     # ---- stage 1 -------------------------------------------------------------------------------
     def layout(self, prompt: Prompt, namespace: Namespace) -> PromptLayout:
@@ -186,6 +188,8 @@ class Executor:
         need = -(-n // bs) - adopted // bs
         if need > pool.num_free_blocks():
             self.image_kv_store.evict_for_blocks(need)
+        if need > pool.num_free_blocks() and self.contexts is not None:
+            self.contexts.release_for_blocks(need)
         if need > pool.num_free_blocks():
             raise PromptTooLong(f"the prompt needs {need} more KV blocks but only {pool.num_free_blocks()} are free "
                                 "or evictable")
@@ -261,6 +265,29 @@ class Executor:
         keys = r.layer_keys(0, slot_ids(table, reused, self.pool.block_size))
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
         return scores
+
+    def attention_sample(self, pre: Prepared, queries: int = 8) -> dict[Any, float]:
+        """Attention mass that the prompt's last ``queries`` text tokens put, at the first layer, on
+        each image (its namespaced content key) and on the rest of the context (key ``None``): a
+        cheap sample for attention-aware eviction, read from the KV the turn already wrote."""
+        prompt, bs = pre.prompt, self.pool.block_size
+        n = len(prompt)
+        in_image = np.zeros(n, dtype=bool)
+        for s in prompt.images:
+            in_image[s.start:s.start + s.length] = True
+        rows = np.flatnonzero(~in_image)[-queries:]
+        if not prompt.images or not rows.size:
+            return {}
+        r = self.runner
+        with torch.no_grad():
+            q = r.layer0_queries(self.embeds(prompt, rows, pre.vit), prompt.positions[:, torch.from_numpy(rows)])
+            keys = r.layer_keys(0, slot_ids(self.pool.block_table(pre.seq), np.arange(n), bs))
+            mass = attention_relevance(q, keys).double().cpu().numpy()
+        out: dict[Any, float] = {None: float(mass[~in_image].sum())}
+        for s in prompt.images:
+            key = pre.namespace.key(s.image.content)
+            out[key] = out.get(key, 0.0) + float(mass[s.start:s.start + s.length].sum())
+        return out
 
     def sequence_step(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict) -> SequenceStep:
         rows = plan.rows

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from samcache._checks import check_int
@@ -30,7 +31,10 @@ from samcache.hashing import Namespace
 @dataclass
 class Admission:
     """A request as the scheduler serves it. ``keep_prefill``: keep a fork of the prefilled
-    sequence (``Finished.fork``, freed by the caller) for a comparison after the turn."""
+    sequence (``Finished.fork``, freed by the caller) for a comparison after the turn.
+    ``keep_sequence``: keep the finished sequence itself (``Finished.sequence``, freed by the
+    caller), e.g. for a session that holds its context. ``sample_attention``: measure where the
+    prompt's last tokens attend (``Finished.attention``, for attention-aware eviction)."""
 
     prompt: Prompt
     namespace: Namespace
@@ -39,6 +43,8 @@ class Admission:
     max_new_tokens: int
     ignore_eos: bool = False
     keep_prefill: bool = False
+    keep_sequence: bool = False
+    sample_attention: bool = False
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,9 @@ class Finished:
     finish_reason: str  # "stop" (an end token) or "length"
     first_logits: torch.Tensor | None = None  # with keep_prefill: the prefill's next-token logits
     fork: int | None = None  # with keep_prefill: a fork of the prefilled sequence (the caller frees it)
+    sequence: int | None = None  # with keep_sequence: the finished sequence (the caller frees it)
+    blocks: np.ndarray | None = None  # the finished sequence's block table
+    attention: dict | None = None  # with sample_attention: Executor.attention_sample
 
 
 @dataclass
@@ -171,9 +180,13 @@ class Scheduler:
         m.kv_pool_bytes = (ex.pool.num_blocks - ex.pool.stats()["free_blocks"]) * block_bytes
         m.image_kv_store_bytes = ex.image_kv_store.used_bytes
         m.latency_s = time.perf_counter() - adm.arrival
-        ex.pool.free_sequence(pre.seq)
+        blocks = ex.pool.block_table(pre.seq)
+        attention = ex.attention_sample(pre) if adm.sample_attention else None
+        if not adm.keep_sequence:
+            ex.pool.free_sequence(pre.seq)
         reason = "stop" if last in self.eos_token_ids else "length"
-        return Finished(pre, st.tokens, reason, st.first_logits, st.fork)
+        return Finished(pre, st.tokens, reason, st.first_logits, st.fork, pre.seq if adm.keep_sequence else None,
+                        blocks, attention)
 
     def _drop(self, st: _Running, adm: Admission) -> None:
         """A request that failed after its prefill: the prompt's blocks stay valid, its decode

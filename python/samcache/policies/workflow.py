@@ -104,6 +104,20 @@ class WorkflowAwarePolicy(EvictionPolicy):
             raise ValueError(f"workflow {workflow.name!r} is already planned")
         self.workflows[workflow.name] = workflow
 
+    def ran(self, agent: str) -> bool:
+        """Record that ``agent`` ('workflow/agent', or a name unique across workflows) just ran:
+        the workflow whose current step it is advances. False if it was no workflow's current step
+        (an agent outside the plan, or one running out of order)."""
+        if not isinstance(agent, str):
+            raise TypeError(f"agent must be a str, got {type(agent).__name__}")
+        wf_name, _, local = agent.rpartition("/")
+        flows = [self.workflows[wf_name]] if wf_name in self.workflows else list(self.workflows.values())
+        for wf in flows:
+            if wf.current == (local if wf_name in self.workflows else agent):
+                wf.advance()
+                return True
+        return False
+
     def steps_to_execution(self, agents: Iterable[str]) -> float:
         best = NEVER
         for agent in agents:

@@ -1,0 +1,123 @@
+"""The engine's eviction policy at work: what each cached item is to the policy, and its priority
+written where eviction happens.
+
+Items: every image the engine has seen (its KV in the image-KV store, its ViT output in the ViT
+store, one namespaced content key for both) and every agent's context (the pool blocks of its last
+turn: system prompt, history, everything its next turn adopts as a prefix). After each turn the
+engine records who used what (:meth:`CachePriorities.record`): the turn's agent, its images, its
+blocks, and with the attention-aware policy the attention its last tokens paid to each image.
+Before each batch of turns :meth:`CachePriorities.apply` asks the policy for every item's priority
+and writes it into the stores' indexes and the pool's blocks, which evict lowest priority first
+(least recently used among equals). A block shared by several agents' contexts keeps the highest
+of their priorities.
+
+Plain LRU needs none of this (every priority equal): the engine then makes no such object and
+its behaviour is exactly the pool's and the stores' own LRU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from samcache.block_pool import BlockPool
+from samcache.policies import AttentionActivity, AttentionAwarePolicy, EvictionPolicy, ItemState, WorkflowAwarePolicy
+from samcache.policies.base import PRIORITY_MIN
+
+
+@dataclass
+class _Item:
+    last_use: int
+    agents: set[str] = field(default_factory=set)
+    blocks: np.ndarray | None = None  # a context's blocks
+    hashes: list[bytes | None] | None = None  # what those blocks held when recorded
+
+
+class CachePriorities:
+    """``policy`` applied to ``pool`` (agents' context blocks) and ``stores`` (objects with an
+    ``index``, a ContentIndex keyed by namespaced image content, e.g. the ViT store and the
+    image-KV store's entries)."""
+
+    def __init__(self, policy: EvictionPolicy, pool: BlockPool, stores: Iterable[Any]) -> None:
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"policy must be an EvictionPolicy, got {type(policy).__name__}")
+        self.policy = policy
+        self.pool = pool
+        self.stores = list(stores)
+        self.activity = AttentionActivity() if isinstance(policy, AttentionAwarePolicy) else None
+        self.clock = 0
+        self.images: dict[Hashable, _Item] = {}
+        self.contexts: dict[str, _Item] = {}
+
+    @property
+    def samples_attention(self) -> bool:
+        return self.activity is not None
+
+    def record(self, agent: str | None, images: Iterable[Hashable], blocks: np.ndarray | None,
+               attention: dict | None = None) -> None:
+        """One finished turn of ``agent`` (None: a turn outside any agent) that used ``images``
+        and ran in ``blocks``; ``attention``: Executor.attention_sample of it."""
+        self.clock += 1
+        now = self.clock
+        for key in images:
+            item = self.images.setdefault(key, _Item(now))
+            item.last_use = now
+            if agent is not None:
+                item.agents.add(agent)
+        if agent is not None and blocks is not None:
+            blocks = np.asarray(blocks, dtype=np.int32).copy()
+            self.contexts[agent] = _Item(now, {agent}, blocks, [self.pool.block_hash(int(b)) for b in blocks])
+        if self.activity is not None and attention:
+            masses = {(("context", agent) if key is None else key): m for key, m in attention.items()
+                      if key is not None or agent is not None}
+            self.activity.observe(masses)
+        if agent is not None and isinstance(self.policy, WorkflowAwarePolicy):
+            self.policy.ran(agent)
+
+    def _state(self, key: Hashable, item: _Item) -> ItemState:
+        attention = self.activity[key] if self.activity is not None else 0.0
+        return ItemState(key, item.last_use, attention=min(1.0, attention), agents=frozenset(item.agents))
+
+    def apply(self) -> None:
+        """Write every tracked item's priority into the stores and the pool; forget items that
+        every store has evicted and contexts whose blocks were all reused for other content."""
+        now = self.clock
+        for key, item in list(self.images.items()):
+            held = [s for s in self.stores if key in s.index]
+            if not held:
+                del self.images[key]
+                if self.activity is not None:
+                    self.activity.forget(key)
+                continue
+            priority = self.policy.priority(self._state(key, item), now)
+            for store in held:
+                store.index.set_priority(key, priority)
+        best: dict[int, int] = {}
+        for agent, item in list(self.contexts.items()):
+            valid = [int(b) for b, h in zip(item.blocks, item.hashes)
+                     if h is not None and self.pool.block_hash(int(b)) == h]
+            if not valid:
+                del self.contexts[agent]
+                continue
+            priority = self.policy.priority(self._state(("context", agent), item), now)
+            for b in valid:
+                best[b] = max(best.get(b, PRIORITY_MIN), priority)
+        by_priority: dict[int, list[int]] = {}
+        for b, p in best.items():
+            by_priority.setdefault(p, []).append(b)
+        for p, blocks in by_priority.items():
+            self.pool.set_block_priority(np.asarray(blocks, dtype=np.int32), p)
+
+    def priorities(self) -> dict[Hashable, int]:
+        """Each tracked item's priority now (images by key, contexts as ('context', agent))."""
+        now = self.clock
+        out = {key: self.policy.priority(self._state(key, item), now) for key, item in self.images.items()}
+        out.update({("context", a): self.policy.priority(self._state(("context", a), item), now)
+                    for a, item in self.contexts.items()})
+        return out
+
+
+__all__ = ["CachePriorities"]
