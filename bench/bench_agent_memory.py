@@ -116,8 +116,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
 
     b, t = results["branches"], results["tool_heavy"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = {"8 full clones": b["full_clone_blocks"], "1 branch + suffixes": b["one_branch_plus_suffixes_blocks"],
-            "8 branches (held)": b["held_blocks"]}
+    bars = {"8 clones": b["full_clone_blocks"], "1 + suffixes": b["one_branch_plus_suffixes_blocks"],
+            "8 held": b["held_blocks"]}
     ax1.bar(list(bars), list(bars.values()), color=["#bbbbbb", "#88aadd", "#2266aa"])
     ax1.set_ylabel("KV blocks held")
     ax1.set_title(f"{b['branches']} branches of a {b['context_tokens']}-token context")

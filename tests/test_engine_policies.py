@@ -109,3 +109,22 @@ def test_attention_sample_is_the_attention_of_the_last_tokens(model):
     # Each query's softmax sums to one, averaged over heads: the masses sum to the query count.
     assert sum(mass.values()) == pytest.approx(5, rel=1e-4)
     assert len(mass) == 2 and all(v > 0 for v in mass.values())
+
+
+def test_prefetch_plan_names_the_next_agents_items(model):
+    engine = make_engine(model, eviction_policy="workflow")
+    engine.plan_workflow(Workflow.sequence("team", AGENTS))
+    assert engine.prefetch_plan() == []  # nothing seen yet
+    shots = {a: screenshot(40 + i, SIZE) for i, a in enumerate(AGENTS)}
+    for a in AGENTS:  # one round: each agent with its own screenshot
+        engine.chat(messages=[{"role": "system", "content": _role(a)}, user_message([shots[a]], "Go.")],
+                    max_new_tokens=1, agent="team/" + a)
+    # The workflow is back at 'plan' (runs now: not prefetched); next come work1, then work2.
+    plan = engine.prefetch_plan(horizon=2)
+    contexts = [k for k in plan if isinstance(k, tuple)]
+    assert contexts == [("context", "team/work1"), ("context", "team/work2")]
+    images = [k for k in plan if not isinstance(k, tuple)]
+    assert len(images) == 2 and plan.index(images[0]) < plan.index(("context", "team/work2"))
+    assert make_engine(model).prefetch_plan() == []  # plain LRU plans no prefetch
+    with pytest.raises(ValueError, match="horizon"):
+        engine.prefetch_plan(horizon=0)

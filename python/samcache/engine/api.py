@@ -326,6 +326,14 @@ class SAMcacheEngine:
         with self._lock:
             self.eviction_policy.add(workflow)
 
+    def prefetch_plan(self, horizon: int = 2) -> list:
+        """With ``eviction_policy="workflow"``: the cached items (image content keys, and
+        ``("context", agent)``) that the agents of the next ``horizon`` steps will need, soonest
+        first, excluding the agent running now. This is what the memory tiers bring up before their
+        turn; with the pool alone there is no lower tier to bring them from. Empty otherwise."""
+        with self._lock:
+            return [] if self.priorities is None else self.priorities.prefetch(horizon)
+
     def context_memory(self) -> TreeMemory:
         """Blocks the held sessions hold: distinct, as full clones, and per branch."""
         with self._lock:

@@ -111,6 +111,16 @@ class CachePriorities:
         for p, blocks in by_priority.items():
             self.pool.set_block_priority(np.asarray(blocks, dtype=np.int32), p)
 
+    def prefetch(self, horizon: int = 2) -> list[Hashable]:
+        """What the agents of the next ``horizon`` workflow steps need, soonest first (images by
+        key, contexts as ('context', agent)), not the agent running now: the list a lower tier
+        brings up before their turn. Empty for policies that know no workflow."""
+        if not isinstance(self.policy, WorkflowAwarePolicy):
+            return []
+        items = [self._state(key, item) for key, item in self.images.items()]
+        items += [self._state(("context", a), item) for a, item in self.contexts.items()]
+        return self.policy.prefetch(items, horizon)
+
     def priorities(self) -> dict[Hashable, int]:
         """Each tracked item's priority now (images by key, contexts as ('context', agent))."""
         now = self.clock
