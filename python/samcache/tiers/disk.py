@@ -1,0 +1,148 @@
+"""The local-disk tier: cold-tier items (:mod:`samcache.tiers.cold`) as files in a cache directory,
+byte-bounded, least recently used out first.
+
+One file per item, named by the hex of its namespaced content key (the key already covers the
+model and the tenant), written to a temporary name and renamed into place so a reader never sees
+half a file. The directory is created 0700 and every file 0600. A file that fails to decode (a bad
+checksum, another namespace, truncated, an old format version) is deleted and counted in
+``stats()["dropped"]``; the caller recomputes the item. An intact file made for another
+namespace is a miss and stays (it is not this caller's to delete). Recency is a logical counter kept in
+memory; at start the files present are taken in modification-time order, so a restarted process
+keeps what the last one cached.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from samcache._checks import check_int
+from samcache.hashing import ContentKey, Namespace
+from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode
+
+SUFFIX = ".samkv"
+
+
+class DiskTier:
+    """``put(namespace, key, kv)`` / ``get(namespace, key)`` over files in ``path``, at most
+    ``max_bytes`` of them (encoded size). ``qtype`` / ``per_head`` / ``block_size``: how items are
+    encoded (``qtype=None``: lossless)."""
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int, *, qtype: str | None = "fp8_e4m3",
+                 per_head: bool = True, block_size: int = 16) -> None:
+        self.path = Path(path)
+        self.max_bytes = check_int("max_bytes", max_bytes, 1)
+        self.qtype, self.per_head, self.block_size = qtype, per_head, block_size
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recent first
+        self._stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "evictions": 0, "rejected": 0}
+        found = sorted((p for p in self.path.glob("*" + SUFFIX) if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+        for p in found:
+            self._files[p.name] = p.stat().st_size
+        for tmp in self.path.glob("*.tmp"):  # a crash mid-write leaves these; never read
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._evict_to(self.max_bytes)
+
+    @staticmethod
+    def _name(key: ContentKey) -> str:
+        if not isinstance(key, ContentKey):
+            raise TypeError(f"key must be a ContentKey, got {type(key).__name__}")
+        return key.digest.hex() + SUFFIX
+
+    def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor) -> bool:
+        """Encode and write ``kv`` under ``key``; False if the encoded item alone exceeds
+        ``max_bytes``. An existing file for the key is replaced."""
+        enc = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size)
+        name = self._name(key)
+        if len(enc.data) > self.max_bytes:
+            with self._lock:
+                self._stats["rejected"] += 1
+            return False
+        tmp = self.path / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(enc.data)
+            os.replace(tmp, self.path / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._files.pop(name, None)
+            self._files[name] = len(enc.data)
+            self._stats["puts"] += 1
+            self._evict_to(self.max_bytes)
+        return True
+
+    def get(self, namespace: Namespace, key: ContentKey, *, device: str | torch.device = "cpu") -> torch.Tensor | None:
+        """The item's KV, or None if absent or unusable (an unusable file is deleted)."""
+        name = self._name(key)
+        try:
+            data = (self.path / name).read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self._files.pop(name, None)
+                self._stats["misses"] += 1
+            return None
+        try:
+            kv = decode(data, namespace, key, device=device)
+        except ForeignItem:  # intact, someone else's: a miss, the file stays
+            with self._lock:
+                self._stats["misses"] += 1
+            return None
+        except ColdFormatError:
+            self._drop(name)
+            return None
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+            self._stats["hits"] += 1
+        return kv
+
+    def __contains__(self, key: ContentKey) -> bool:
+        with self._lock:
+            return self._name(key) in self._files
+
+    def remove(self, key: ContentKey) -> bool:
+        name = self._name(key)
+        with self._lock:
+            present = self._files.pop(name, None) is not None
+        (self.path / name).unlink(missing_ok=True)
+        return present
+
+    def _drop(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+        with self._lock:
+            self._files.pop(name, None)
+            self._stats["dropped"] += 1
+
+    def _evict_to(self, bound: int) -> None:
+        total = sum(self._files.values())
+        while total > bound and self._files:
+            name, size = self._files.popitem(last=False)
+            (self.path / name).unlink(missing_ok=True)
+            total -= size
+            self._stats["evictions"] += 1
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._files.values())
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._stats, "items": len(self._files), "used_bytes": sum(self._files.values())}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._files)
+
+
+__all__ = ["SUFFIX", "DiskTier"]
