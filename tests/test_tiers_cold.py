@@ -128,8 +128,12 @@ def test_disk_tier_round_trip_private_files_and_lru_by_bytes(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "cold").st_mode) == 0o700
     files = list((tmp_path / "cold").iterdir())
     assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
-    out = tier.get(NS, key(0))
+    assert tier.put(NS, key(5), kv, {"position": 7, "check": [[1, 4, 6], 6, 2]})
+    got = tier.get(NS, key(5))
+    assert got.meta == {"position": 7, "check": [[1, 4, 6], 6, 2]}
+    out = tier.get(NS, key(0)).kv
     assert out.shape == kv.shape and (out - kv).abs().max() < 0.1
+    tier.remove(key(5))
     size = tier.used_bytes
     small = DiskTier(tmp_path / "small", max_bytes=3 * size, qtype="int8")
     for i in range(3):
@@ -165,6 +169,6 @@ def test_disk_tier_survives_a_restart_in_recency_order(tmp_path):
     again = DiskTier(tmp_path, max_bytes=newest_two)  # smaller bound: the oldest file goes
     assert key(0) not in again and key(1) in again and key(2) in again
     assert not list(tmp_path.glob("*.tmp"))
-    assert torch.equal(again.get(NS, key(2)), tier.get(NS, key(2)))
+    assert torch.equal(again.get(NS, key(2)).kv, tier.get(NS, key(2)).kv)
     assert again.put(NS, key(9), kv_tensor(tokens=4000)) is False  # larger than the whole tier
     assert again.stats()["rejected"] == 1

@@ -133,6 +133,7 @@ class Executor:
         m = TurnMetrics(prompt_tokens=n, images=len(prompt.images))
         seq = pool.new_sequence(self.prefix_space(namespace, options))
         adopted, hashed = 0, False
+        pinned: list = []
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
@@ -142,11 +143,16 @@ class Executor:
                 for slot in layout.images:
                     if slot.end <= adopted:
                         continue
-                    h = self.image_kv_store.get(slot.key, check=self.kv_check(prompt.images[slot.index]))
+                    check = self.kv_check(prompt.images[slot.index])
+                    h = held.get(slot.key) or self.image_kv_store.get(slot.key, check=check)
+                    if h is None and self.image_kv_store.lower is not None:
+                        h = self._promote(slot.key, namespace, check, m)
                     if h is None:
                         m.image_kv_misses += 1
                     else:
                         m.image_kv_hits += 1
+                        if slot.key not in held and self.image_kv_store.pin(slot.key):
+                            pinned.append(slot.key)  # making room below must not evict it
                         held[slot.key] = h
             plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
                               cached={k: CachedImage(h.length, h.position) for k, h in held.items()})
@@ -172,6 +178,9 @@ class Executor:
         except BaseException:
             self.discard(seq, table_from=adopted // bs, hashed=hashed)
             raise
+        finally:
+            for key in pinned:
+                self.image_kv_store.unpin(key)
         m.prefix_reused_tokens = adopted
         m.image_reused_tokens = plan.image_reused_tokens
         m.prefilled_tokens = int(plan.new_rows.size)
@@ -180,6 +189,22 @@ class Executor:
         m.recompute_rates = plan.recompute_rates
         m.exact_tokens = plan.exact_tokens
         return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed)
+
+    def _promote(self, key, namespace: Namespace, check, m: TurnMetrics) -> HeldImage | None:
+        """An image's KV from the tiers below the pool, back in pool blocks (None: no tier has it,
+        or the pool cannot make room)."""
+        got = self.image_kv_store.lower.fetch(namespace, key, check)
+        if got is None:
+            return None
+        held = self.image_kv_store.promote(key, namespace, got.kv, got.position, check)
+        if held is None:  # no room up here this turn: it stays below
+            self.image_kv_store.lower.demote(namespace, key, got.kv, got.position, check)
+        else:
+            if got.tier == "host":
+                m.image_kv_host_hits += 1
+            else:
+                m.image_kv_disk_hits += 1
+        return held
 
     def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions) -> None:
         """Blocks for tokens ``[adopted, n)``: the exact part hashed into the prefix cache (if asked),
@@ -348,7 +373,8 @@ class Executor:
             if span.index in spliced or span.start < pre.plan.prefix_tokens:
                 continue  # its KV came from a cache: already held (or part of an adopted prefix)
             self.image_kv_store.put(pre.namespace.key(span.image.content), pre.seq, span.start, span.length,
-                                    int(pre.prompt.positions[0, span.start]), check=self.kv_check(span))
+                                    int(pre.prompt.positions[0, span.start]), check=self.kv_check(span),
+                                    namespace=pre.namespace)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_step(self, seq: int, token: int, position: int, hashed: bool) -> SequenceStep:

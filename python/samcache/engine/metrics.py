@@ -36,6 +36,8 @@ class TurnMetrics:
     vit_hits: int = 0  # images whose ViT output came from the cache
     image_kv_hits: int = 0
     image_kv_misses: int = 0
+    image_kv_host_hits: int = 0  # of the hits: brought back from host memory (exact)
+    image_kv_disk_hits: int = 0  # of the hits: brought back from the disk tier (quantized)
     kv_bytes: int = 0  # KV of this turn's sequence in the pool
     kv_pool_bytes: int = 0  # pool blocks in use or cached at the end of the turn (before it is freed)
     image_kv_store_bytes: int = 0  # all images' KV held for reuse

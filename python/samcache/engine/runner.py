@@ -239,6 +239,24 @@ class ModelRunner:
         shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
         return self.k_cache.view(shape)[:, slots], self.v_cache.view(shape)[:, slots]
 
+    def read_kv(self, slots: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """K and V of every layer at these slots, [layers, 2, len(slots), kv_heads, head_dim]."""
+        k, v = self.gather_kv(slots)
+        return torch.stack([k, v], dim=1)
+
+    def write_kv(self, slots: np.ndarray | torch.Tensor, kv: torch.Tensor) -> None:
+        """Write ``kv`` ([layers, 2, len(slots), kv_heads, head_dim], any dtype or device) into
+        these slots of every layer (keys as they are: already rotated to their positions)."""
+        slots = torch.as_tensor(np.asarray(slots, dtype=np.int64) if isinstance(slots, np.ndarray) else slots,
+                                dtype=torch.int64, device=self.device)
+        shape = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        if kv.shape != (self.num_layers, 2, len(slots), self.num_kv_heads, self.head_dim):
+            raise ValueError(f"kv must be {(self.num_layers, 2, len(slots), self.num_kv_heads, self.head_dim)}, "
+                             f"got {tuple(kv.shape)}")
+        kv = kv.to(device=self.device, dtype=self.k_cache.dtype, non_blocking=True)
+        self.k_cache.view(shape)[:, slots] = kv[:, 0]
+        self.v_cache.view(shape)[:, slots] = kv[:, 1]
+
     def layer_keys(self, layer: int, slots: np.ndarray | torch.Tensor) -> torch.Tensor:
         """K [len(slots), kv_heads, head_dim] of one layer at these slots."""
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)

@@ -9,6 +9,11 @@ an evicted entry frees its holder and the blocks return to the pool (or stay as 
 blocks if they are cached there too). Reuse reads the KV from those blocks
 (:meth:`ImageKVStore.slots`) and writes it, re-rotated, into the new sequence.
 
+With lower tiers (:class:`samcache.tiers.LowerTiers`), an entry the store lets go is first copied
+out of its blocks and demoted (host memory, then disk) instead of lost; :meth:`promote` brings a
+fetched one back into pool blocks. A turn pins the images it reuses (:meth:`pin`) so making
+room for its own blocks can never evict them between lookup and splice.
+
 Bytes held per image token: the image's blocks, including the text tokens sharing its first and
 last block, over its tokens (``bytes_per_token``); with 16-token blocks a 1,196-token screenshot
 holds 1.03x one copy of its KV.
@@ -16,6 +21,7 @@ holds 1.03x one copy of its KV.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +29,8 @@ import numpy as np
 
 from samcache._checks import check_int
 from samcache.block_pool import BlockPool, slot_ids
-from samcache.errors import InvariantViolation
-from samcache.hashing import ContentKey
+from samcache.errors import CacheFull, InvariantViolation
+from samcache.hashing import ContentKey, Namespace
 from samcache.stores.tensor_store import TensorStore
 
 
@@ -37,6 +43,9 @@ class HeldImage:
     offset: int
     length: int
     position: int
+    key: ContentKey | None = None  # what demotion needs: where it belongs and what it was made from
+    namespace: Namespace | None = None
+    check: Any = None
 
 
 class ImageKVStore:
@@ -48,12 +57,18 @@ class ImageKVStore:
     :class:`HeldImage` sized by their blocks; evicting one frees its holder.
     """
 
-    def __init__(self, pool: BlockPool, capacity_bytes: int, block_bytes: int) -> None:
+    def __init__(self, pool: BlockPool, capacity_bytes: int, block_bytes: int, *, lower=None,
+                 read_kv: Callable[[np.ndarray], Any] | None = None,
+                 write_kv: Callable[[np.ndarray, Any], None] | None = None) -> None:
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        if lower is not None and (read_kv is None or write_kv is None):
+            raise ValueError("lower tiers need read_kv and write_kv (how KV leaves and enters the pool's blocks)")
         self.pool = pool
         self.block_bytes = check_int("block_bytes", block_bytes, 1)
-        self.entries = TensorStore("image KV", capacity_bytes, on_evict=lambda held: pool.free_sequence(held.seq))
+        self.lower = lower
+        self._read_kv, self._write_kv = read_kv, write_kv
+        self.entries = TensorStore("image KV", capacity_bytes, on_evict=self._let_go)
 
     # ---- look-ups -------------------------------------------------------------------------------
     def get(self, key: ContentKey, check: Any = None) -> HeldImage | None:
@@ -74,7 +89,8 @@ class ImageKVStore:
         return slot_ids(self.pool.block_table(held.seq), index, self.pool.block_size)
 
     # ---- inserts and evictions --------------------------------------------------------------------
-    def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None) -> bool:
+    def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None,
+            namespace: Namespace | None = None) -> bool:
         """Hold the KV of tokens ``[start, start + length)`` of live sequence ``seq`` (already written)
         under ``key``. False if the key is present or the image alone exceeds the capacity."""
         check_int("start", start, 0)
@@ -90,14 +106,63 @@ class ImageKVStore:
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
         try:
-            inserted = self.entries.put(key, HeldImage(holder, start - first * bs, length, position), check,
-                                        size_bytes=size)
+            inserted = self.entries.put(key, HeldImage(holder, start - first * bs, length, position, key, namespace,
+                                                       check), check, size_bytes=size)
         except BaseException:
             self.pool.free_sequence(holder)
             raise
         if not inserted:
             self.pool.free_sequence(holder)
         return inserted
+
+    def promote(self, key: ContentKey, namespace: Namespace, kv: Any, position: int, check: Any) -> HeldImage | None:
+        """Bring KV fetched from a lower tier (``[layers, 2, tokens, kv_heads, head_dim]``) back into
+        pool blocks of its own and hold it under ``key``; None if the pool cannot make room."""
+        length = int(kv.shape[2])
+        blocks = -(-length // self.pool.block_size)
+        size = blocks * self.block_bytes
+        if size > self.entries.index.capacity_bytes:
+            return None
+        self.evict_for_blocks(blocks)
+        if self.pool.num_free_blocks() < blocks:
+            return None
+        holder = self.pool.new_sequence()
+        try:
+            res = self.pool.append_slots(holder, length)
+            self._write_kv(res.slots, kv)
+            held = HeldImage(holder, 0, length, int(position), key, namespace, check)
+            try:
+                inserted = self.entries.put(key, held, check, size_bytes=size)
+            except CacheFull:  # the images this turn pinned fill the store
+                inserted = False
+        except BaseException:
+            self.pool.free_sequence(holder)
+            raise
+        if not inserted:
+            self.pool.free_sequence(holder)
+            return None
+        return held
+
+    def pin(self, key: ContentKey) -> bool:
+        """Keep this entry from eviction until :meth:`unpin` (a turn between lookup and splice);
+        False if it is not held."""
+        if key not in self.entries:
+            return False
+        self.entries.index.pin(key)
+        return True
+
+    def unpin(self, key: ContentKey) -> None:
+        if key in self.entries:
+            self.entries.index.unpin(key)
+
+    def _let_go(self, held: HeldImage) -> None:
+        """An entry leaves the store: demote its KV one tier down (if there is one), free its holder."""
+        try:
+            if self.lower is not None and held.key is not None and held.namespace is not None:
+                kv = self._read_kv(self.slots(held, 0, held.length))
+                self.lower.demote(held.namespace, held.key, kv, held.position, held.check)
+        finally:
+            self.pool.free_sequence(held.seq)
 
     def evict_for_blocks(self, blocks: int) -> None:
         """Release held images, least recently used first, until the pool can hand out ``blocks``

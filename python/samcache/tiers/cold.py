@@ -88,8 +88,9 @@ def _check_kv(kv) -> None:
 
 
 def encode(kv: torch.Tensor, namespace: Namespace, key: ContentKey, *, qtype: str | None = "fp8_e4m3",
-           per_head: bool = True, block_size: int = 16) -> Encoded:
-    """The stored form of ``kv`` (see the module doc); ``key`` is the item's content key."""
+           per_head: bool = True, block_size: int = 16, meta: dict | None = None) -> Encoded:
+    """The stored form of ``kv`` (see the module doc); ``key`` is the item's content key; ``meta``:
+    a small JSON-able dict kept in the header (e.g. the item's position and its check record)."""
     from samcache.ops import quantize_kv_blocks
 
     _check_kv(kv)
@@ -102,6 +103,8 @@ def encode(kv: torch.Tensor, namespace: Namespace, key: ContentKey, *, qtype: st
     if not isinstance(per_head, bool):
         raise TypeError(f"per_head must be a bool, got {type(per_head).__name__}")
     check_int("block_size", block_size, 1)
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict or None, got {type(meta).__name__}")
     layers, _, tokens, heads, dim = kv.shape
     dtype_name = str(kv.dtype).removeprefix("torch.")
     x = kv.detach().cpu().contiguous()
@@ -118,10 +121,12 @@ def encode(kv: torch.Tensor, namespace: Namespace, key: ContentKey, *, qtype: st
     header = {
         "version": VERSION, "namespace": namespace.digest.hex(), "key": key.digest.hex(),
         "shape": [layers, 2, tokens, heads, dim], "dtype": dtype_name, "qtype": qtype, "per_head": per_head,
-        "block_size": block_size, "payload_bytes": len(payload), "body_bytes": len(body),
+        "block_size": block_size, "payload_bytes": len(payload), "body_bytes": len(body), "meta": meta or {},
     }
     header["checksum"] = _checksum(header, payload)
     head = json.dumps(header, sort_keys=True).encode()
+    if len(head) > _HEADER_LIMIT:
+        raise ValueError(f"meta is too large for a cold-tier header ({len(head)} bytes, at most {_HEADER_LIMIT})")
     return Encoded(MAGIC + struct.pack("<I", len(head)) + head + payload, x.numel() * x.element_size())
 
 
@@ -148,7 +153,8 @@ def read_header(data: bytes) -> dict:
     if (not isinstance(shape, list) or len(shape) != 5 or not all(isinstance(v, int) and v > 0 for v in shape)
             or shape[1] != 2 or header.get("dtype") not in _DTYPES or header.get("qtype") not in (*QTYPES, None)
             or not isinstance(header.get("block_size"), int) or header["block_size"] < 1
-            or not isinstance(header.get("payload_bytes"), int) or not isinstance(header.get("body_bytes"), int)):
+            or not isinstance(header.get("payload_bytes"), int) or not isinstance(header.get("body_bytes"), int)
+            or not isinstance(header.get("meta"), dict)):
         raise ColdFormatError("cold-tier item header has missing or inconsistent fields")
     header["_offset"] = start + n
     return header

@@ -16,15 +16,24 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode
+from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode, read_header
 
 SUFFIX = ".samkv"
+
+
+@dataclass(frozen=True)
+class StoredKV:
+    """What the disk tier gives back: the KV tensor and the ``meta`` it was stored with."""
+
+    kv: torch.Tensor
+    meta: dict
 
 
 class DiskTier:
@@ -56,10 +65,11 @@ class DiskTier:
             raise TypeError(f"key must be a ContentKey, got {type(key).__name__}")
         return key.digest.hex() + SUFFIX
 
-    def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor) -> bool:
-        """Encode and write ``kv`` under ``key``; False if the encoded item alone exceeds
-        ``max_bytes``. An existing file for the key is replaced."""
-        enc = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size)
+    def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict | None = None) -> bool:
+        """Encode and write ``kv`` (with ``meta``, a small JSON-able dict) under ``key``; False if the
+        encoded item alone exceeds ``max_bytes``. An existing file for the key is replaced."""
+        enc = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size,
+                     meta=meta)
         name = self._name(key)
         if len(enc.data) > self.max_bytes:
             with self._lock:
@@ -81,8 +91,8 @@ class DiskTier:
             self._evict_to(self.max_bytes)
         return True
 
-    def get(self, namespace: Namespace, key: ContentKey, *, device: str | torch.device = "cpu") -> torch.Tensor | None:
-        """The item's KV, or None if absent or unusable (an unusable file is deleted)."""
+    def get(self, namespace: Namespace, key: ContentKey, *, device: str | torch.device = "cpu") -> StoredKV | None:
+        """The item's KV and meta, or None if absent or unusable (an unusable file is deleted)."""
         name = self._name(key)
         try:
             data = (self.path / name).read_bytes()
@@ -93,6 +103,7 @@ class DiskTier:
             return None
         try:
             kv = decode(data, namespace, key, device=device)
+            meta = read_header(data)["meta"]
         except ForeignItem:  # intact, someone else's: a miss, the file stays
             with self._lock:
                 self._stats["misses"] += 1
@@ -104,7 +115,7 @@ class DiskTier:
             if name in self._files:
                 self._files.move_to_end(name)
             self._stats["hits"] += 1
-        return kv
+        return StoredKV(kv, meta)
 
     def __contains__(self, key: ContentKey) -> bool:
         with self._lock:
@@ -145,4 +156,4 @@ class DiskTier:
             return len(self._files)
 
 
-__all__ = ["SUFFIX", "DiskTier"]
+__all__ = ["SUFFIX", "DiskTier", "StoredKV"]

@@ -1,0 +1,128 @@
+"""The tiers below the device pool for image KV: host memory, then local disk.
+
+When the device store lets an image's KV go (its byte bound, or a prompt that needs the blocks),
+the KV is copied out of the pool and *demoted* here instead of being lost: into host memory as it
+is (pinned on CUDA, so the copy back is a plain DMA), and from there, when the host tier is over
+its bound, down to the disk tier in the cold encoding (FP8/INT8 + zstd). A lookup that misses the
+device store asks :meth:`LowerTiers.fetch`: a host hit is exact; a disk hit is the quantized KV.
+The item then goes back up into pool blocks (the caller *promotes* it) and leaves the host tier.
+
+Every item carries its metadata (the position its keys are rotated to, and the ``check`` record of
+what it was made from: grid, token count, model depth); a fetch whose record differs is a miss,
+never a wrong hit. Order within a tier is least recently used on a logical counter.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from samcache._checks import check_int
+from samcache.hashing import ContentKey, Namespace
+from samcache.tiers.disk import DiskTier
+
+
+def _normal(check: Any) -> Any:
+    """``check`` as it reads back from JSON (tuples become lists), so records compare equal
+    whichever tier they come from."""
+    return json.loads(json.dumps(check))
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """``kv``: [layers, 2, tokens, kv_heads, head_dim] on the CPU; ``position``: the first M-RoPE
+    position its keys are rotated to; ``tier``: 'host' or 'disk'."""
+
+    kv: torch.Tensor
+    position: int
+    tier: str
+
+
+@dataclass
+class _HostItem:
+    namespace: Namespace
+    kv: torch.Tensor
+    meta: dict
+
+
+class LowerTiers:
+    """Host memory (``host_bytes``, 0 for none) over an optional :class:`DiskTier`."""
+
+    def __init__(self, host_bytes: int, disk: DiskTier | None = None, *, pin_memory: bool = False) -> None:
+        self.host_bytes = check_int("host_bytes", host_bytes, 0)
+        if disk is not None and not isinstance(disk, DiskTier):
+            raise TypeError(f"disk must be a DiskTier, got {type(disk).__name__}")
+        if not self.host_bytes and disk is None:
+            raise ValueError("LowerTiers needs a host tier (host_bytes > 0) or a disk tier")
+        self.disk = disk
+        self.pin_memory = bool(pin_memory)
+        self._host: OrderedDict[ContentKey, _HostItem] = OrderedDict()
+        self._host_used = 0
+        self._lock = threading.Lock()
+        self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "to_disk": 0, "dropped": 0}
+
+    def demote(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> None:
+        """Keep ``kv`` (copied to the CPU) one tier down; what overflows the host tier goes to disk."""
+        if not isinstance(key, ContentKey):
+            raise TypeError(f"key must be a ContentKey, got {type(key).__name__}")
+        meta = {"position": int(position), "check": _normal(check)}
+        kv = kv.detach().to("cpu", copy=True)
+        if self.pin_memory:
+            kv = kv.pin_memory()
+        size = kv.numel() * kv.element_size()
+        spill: list[tuple[ContentKey, _HostItem]] = []
+        with self._lock:
+            self.stats["demoted"] += 1
+            if size > self.host_bytes:
+                spill.append((key, _HostItem(namespace, kv, meta)))  # too big for host memory: straight down
+            else:
+                old = self._host.pop(key, None)
+                if old is not None:
+                    self._host_used -= old.kv.numel() * old.kv.element_size()
+                self._host[key] = _HostItem(namespace, kv, meta)
+                self._host_used += size
+                while self._host_used > self.host_bytes:
+                    k, item = self._host.popitem(last=False)
+                    self._host_used -= item.kv.numel() * item.kv.element_size()
+                    spill.append((k, item))
+        for k, item in spill:  # disk writes outside the lock
+            if self.disk is not None and self.disk.put(item.namespace, k, item.kv, item.meta):
+                self.stats["to_disk"] += 1
+            else:
+                self.stats["dropped"] += 1
+
+    def fetch(self, namespace: Namespace, key: ContentKey, check: Any) -> Fetched | None:
+        """The item's KV from the highest tier holding it with the same ``check`` record, taken
+        out of the host tier (it goes back up); None if no tier has it."""
+        want = _normal(check)
+        with self._lock:
+            item = self._host.get(key)
+            if item is not None and item.namespace.digest == namespace.digest and item.meta["check"] == want:
+                del self._host[key]
+                self._host_used -= item.kv.numel() * item.kv.element_size()
+                self.stats["host_hits"] += 1
+                return Fetched(item.kv, item.meta["position"], "host")
+        if self.disk is not None:
+            got = self.disk.get(namespace, key)
+            if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
+                self.stats["disk_hits"] += 1
+                return Fetched(got.kv, got.meta["position"], "disk")
+        self.stats["misses"] += 1
+        return None
+
+    @property
+    def host_used_bytes(self) -> int:
+        with self._lock:
+            return self._host_used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._host)
+
+
+__all__ = ["Fetched", "LowerTiers"]

@@ -1,0 +1,132 @@
+"""Image KV below the device pool: what the store lets go is demoted to host memory or disk and
+comes back on the next lookup: exact from host memory, FP8/INT8 from disk; records that differ are
+misses; a turn pins the images it reuses."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from samcache.engine import screenshot  # noqa: E402
+from samcache.engine.prompt import user_message  # noqa: E402
+from samcache.hashing import Namespace, hash_bytes  # noqa: E402
+from samcache.tiers import DiskTier, LowerTiers  # noqa: E402
+
+from engine_helpers import SIZE, make_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints):
+    return tiny_checkpoints["qwen2_5_vl"]
+
+
+def _small_store(engine_kwargs, model):
+    """An engine whose image-KV store holds two screenshots: a third pushes the oldest out."""
+    probe = make_engine(model)
+    blocks = -(-probe.build_prompt([user_message([screenshot(0, SIZE)], "x")]).images[0].length // 16) + 1
+    return make_engine(model, image_kv_cache_bytes=2 * blocks * probe.runner.block_bytes, prefix_cache=False,
+                       **engine_kwargs)
+
+
+def _turns(engine):
+    """Screenshots a, b, c one per turn (a is pushed out), then c and a at new positions."""
+    a, b, c = screenshot(1, SIZE), screenshot(2, SIZE), screenshot(4, SIZE)
+    out = []
+    for system, images in (("First.", [a]), ("Second.", [b]), ("Third.", [c]),
+                           ("Fourth, a much longer system prompt.", [c, a])):
+        r = engine.chat(messages=[{"role": "system", "content": system}, user_message(images, "Describe.")],
+                        max_new_tokens=6, ignore_eos=True)
+        out.append(r)
+    return out
+
+
+def test_host_tier_brings_a_demoted_image_back_exactly(model):
+    reference = _turns(make_engine(model, prefix_cache=False))  # a store big enough for both
+    tiered = _small_store({"host_kv_cache_bytes": 64 << 20}, model)
+    got = _turns(tiered)
+    m = got[3].metrics
+    assert m.image_kv_hits == 2 and m.image_kv_host_hits == 1 and m.image_kv_disk_hits == 0
+    assert reference[3].metrics.image_kv_hits == 2
+    assert got[3].token_ids == reference[3].token_ids  # host memory is lossless
+    assert tiered.lower_tiers.stats["demoted"] >= 1
+    tiered.check_invariants()
+    # Without lower tiers the same store loses the first image.
+    plain = _turns(_small_store({}, model))
+    assert plain[3].metrics.image_kv_hits == 1 and plain[3].metrics.image_kv_misses == 1
+
+
+@pytest.mark.parametrize("qtype", ["fp8_e4m3", "int8", None])
+def test_disk_tier_brings_it_back_quantized(model, tmp_path, qtype):
+    reference = _turns(make_engine(model, prefix_cache=False))
+    tiered = _small_store({"disk_kv_cache_dir": tmp_path / "kv", "cold_kv_qtype": qtype}, model)
+    got = _turns(tiered)
+    m = got[3].metrics
+    assert m.image_kv_hits == 2 and m.image_kv_disk_hits == 1
+    files = list((tmp_path / "kv").iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    if qtype is None:
+        assert got[3].token_ids == reference[3].token_ids
+    tiered.check_invariants()
+
+
+def test_a_damaged_disk_item_is_recomputed_never_used(model, tmp_path):
+    tiered = _small_store({"disk_kv_cache_dir": tmp_path / "kv"}, model)
+    a, b, c = screenshot(1, SIZE), screenshot(2, SIZE), screenshot(4, SIZE)
+    for images in ([a], [b], [c]):
+        tiered.chat(messages=[{"role": "system", "content": "S."}, user_message(images, "D.")], max_new_tokens=1)
+    for f in (tmp_path / "kv").iterdir():
+        data = bytearray(f.read_bytes())
+        data[-3] ^= 0xFF
+        f.write_bytes(bytes(data))
+    r = tiered.chat(messages=[{"role": "system", "content": "Other."}, user_message([c, a], "D.")], max_new_tokens=1)
+    assert r.metrics.image_kv_disk_hits == 0 and r.metrics.image_kv_misses == 1
+    assert tiered.lower_tiers.disk.stats()["dropped"] == 1
+
+
+def test_lower_tiers_refuse_other_records_and_spill_to_disk(tmp_path):
+    ns = Namespace("m", "t")
+    keys = [ns.key(hash_bytes(bytes([i]))) for i in range(3)]
+    kv = torch.randn(2, 2, 10, 1, 8)
+    tiers = LowerTiers(host_bytes=kv.numel() * 4 * 2, disk=DiskTier(tmp_path, 1 << 20, qtype=None))
+    for k in keys:
+        tiers.demote(ns, k, kv, position=5, check=((1, 2, 4), 10, 2))
+    assert len(tiers) == 2 and tiers.stats["to_disk"] == 1  # the oldest went down
+    assert tiers.fetch(ns, keys[1], ((1, 2, 4), 10, 3)) is None  # another model depth: a miss
+    assert tiers.fetch(Namespace("m", "u"), keys[1], ((1, 2, 4), 10, 2)) is None  # another tenant
+    got = tiers.fetch(ns, keys[0], ((1, 2, 4), 10, 2))
+    assert got.tier == "disk" and got.position == 5 and torch.equal(got.kv, kv)
+    got = tiers.fetch(ns, keys[2], [[1, 2, 4], 10, 2])
+    assert got.tier == "host" and len(tiers) == 1  # taken out: it goes back up
+    with pytest.raises(ValueError, match="host tier"):
+        LowerTiers(0)
+
+
+def test_a_turn_pins_the_images_it_reuses(model):
+    engine = make_engine(model)
+    engine.chat(images=[screenshot(3, SIZE)], prompt="a", max_new_tokens=1)
+    store = engine.image_kv_store
+    (key,) = [h.key for h in store.entries.payloads()]
+    assert store.pin(key)
+    store.evict_for_blocks(engine.pool.num_blocks)  # asks for everything: the pinned entry stays
+    assert key in store
+    store.unpin(key)
+    store.evict_for_blocks(engine.pool.num_blocks)
+    assert key not in store
+    assert not store.pin(key)
+    engine.check_invariants()
+
+
+def test_bad_tier_options_are_refused(model, tmp_path):
+    with pytest.raises(ValueError, match="cold_kv_qtype"):
+        make_engine(model, disk_kv_cache_dir=tmp_path, cold_kv_qtype="int4")
+    with pytest.raises(ValueError, match="host_kv_cache_bytes"):
+        make_engine(model, host_kv_cache_bytes=-1)
+    assert make_engine(model, image_kv_cache=False, host_kv_cache_bytes=1 << 20).lower_tiers is None
+    np.testing.assert_equal(make_engine(model).lower_tiers, None)
