@@ -17,7 +17,8 @@ venv: .venv/.ready
 	@# Later installs must never replace this torch (e.g. by a CUDA build pulled in as a dependency).
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
-	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard
+	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
+	  "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
@@ -85,6 +86,7 @@ sysdeps:
 	command -v c++ >/dev/null || missing="$$missing g++"; \
 	[ -f /usr/include/xxhash.h ] || [ -n "$$SAMCACHE_XXHASH_INCLUDE" ] || missing="$$missing libxxhash-dev"; \
 	[ -f /usr/include/gtest/gtest.h ] || missing="$$missing libgtest-dev"; \
+	ldconfig -p | grep -q 'libibverbs.so.1 ' || missing="$$missing libibverbs1"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

@@ -48,7 +48,7 @@ from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, Wor
 from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
 from samcache.reuse import RecomputeBudget
 from samcache.stores import ImageKVStore, TensorStore
-from samcache.tiers import DiskTier, LowerTiers
+from samcache.tiers import DiskTier, LowerTiers, RemoteStore, RemoteTier
 
 
 @dataclass
@@ -187,6 +187,7 @@ class SAMcacheEngine:
         disk_kv_cache_dir: str | os.PathLike | None = None,
         disk_kv_cache_bytes: int = 4 << 30,
         cold_kv_qtype: str | None = "fp8_e4m3",
+        remote_kv_store: RemoteStore | None = None,
     ) -> None:
         if compression_enabled:
             raise ValueError(
@@ -210,6 +211,9 @@ class SAMcacheEngine:
         check_int("disk_kv_cache_bytes", disk_kv_cache_bytes, 1)
         if cold_kv_qtype not in ("fp8_e4m3", "int8", None):
             raise ValueError(f"cold_kv_qtype must be 'fp8_e4m3', 'int8' or None (lossless), got {cold_kv_qtype!r}")
+        if remote_kv_store is not None and not isinstance(remote_kv_store, RemoteStore):
+            raise TypeError(f"remote_kv_store must be a samcache.tiers.RemoteStore (e.g. MooncakeStore), "
+                            f"got {type(remote_kv_store).__name__}")
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("pass num_blocks or kv_cache_bytes (the pool's size), not both")
         if share_weights_with is not None and not isinstance(share_weights_with, SAMcacheEngine):
@@ -274,10 +278,12 @@ class SAMcacheEngine:
         pool_bytes = self.runner.num_blocks * self.runner.block_bytes
         self.vit_store = TensorStore("vit", vit_cache_bytes)
         self.lower_tiers = None
-        if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None):
+        if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None or remote_kv_store is not None):
             disk = (DiskTier(disk_kv_cache_dir, disk_kv_cache_bytes, qtype=cold_kv_qtype, block_size=block_size)
                     if disk_kv_cache_dir is not None else None)
-            self.lower_tiers = LowerTiers(host_kv_cache_bytes, disk, pin_memory=self.device.type == "cuda")
+            remote = (RemoteTier(remote_kv_store, qtype=cold_kv_qtype, block_size=block_size)
+                      if remote_kv_store is not None else None)
+            self.lower_tiers = LowerTiers(host_kv_cache_bytes, disk, remote, pin_memory=self.device.type == "cuda")
         self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
                                            self.runner.block_bytes, lower=self.lower_tiers,
                                            read_kv=self.runner.read_kv, write_kv=self.runner.write_kv)

@@ -202,8 +202,10 @@ class Executor:
         else:
             if got.tier == "host":
                 m.image_kv_host_hits += 1
-            else:
+            elif got.tier == "disk":
                 m.image_kv_disk_hits += 1
+            else:
+                m.image_kv_remote_hits += 1
         return held
 
     def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions) -> None:
@@ -372,9 +374,16 @@ class Executor:
         for span in pre.prompt.images:
             if span.index in spliced or span.start < pre.plan.prefix_tokens:
                 continue  # its KV came from a cache: already held (or part of an adopted prefix)
-            self.image_kv_store.put(pre.namespace.key(span.image.content), pre.seq, span.start, span.length,
-                                    int(pre.prompt.positions[0, span.start]), check=self.kv_check(span),
+            key, check = pre.namespace.key(span.image.content), self.kv_check(span)
+            position = int(pre.prompt.positions[0, span.start])
+            self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=check,
                                     namespace=pre.namespace)
+            lower = self.image_kv_store.lower
+            if lower is not None and lower.remote is not None:  # what this instance computed, others reuse
+                table = self.pool.block_table(pre.seq)
+                kv = self.runner.read_kv(slot_ids(table, np.arange(span.start, span.start + span.length),
+                                                  self.pool.block_size))
+                lower.publish(pre.namespace, key, kv, position, check)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_step(self, seq: int, token: int, position: int, hashed: bool) -> SequenceStep:

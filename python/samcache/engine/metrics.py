@@ -38,6 +38,7 @@ class TurnMetrics:
     image_kv_misses: int = 0
     image_kv_host_hits: int = 0  # of the hits: brought back from host memory (exact)
     image_kv_disk_hits: int = 0  # of the hits: brought back from the disk tier (quantized)
+    image_kv_remote_hits: int = 0  # of the hits: from the shared store (another instance computed it)
     kv_bytes: int = 0  # KV of this turn's sequence in the pool
     kv_pool_bytes: int = 0  # pool blocks in use or cached at the end of the turn (before it is freed)
     image_kv_store_bytes: int = 0  # all images' KV held for reuse

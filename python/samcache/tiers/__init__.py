@@ -6,5 +6,6 @@ engine's image-KV store demotes to and promotes from."""
 from samcache.tiers.cold import MAGIC, QTYPES, VERSION, ColdFormatError, Encoded, ForeignItem, decode, encode, read_header
 from samcache.tiers.disk import DiskTier, StoredKV
 from samcache.tiers.lower import Fetched, LowerTiers
+from samcache.tiers.remote import MooncakeStore, RemoteStore, RemoteStoreError, RemoteTier
 
-__all__ = ["MAGIC", "QTYPES", "VERSION", "ColdFormatError", "DiskTier", "Encoded", "Fetched", "ForeignItem", "LowerTiers", "StoredKV", "decode", "encode", "read_header"]
+__all__ = ["MAGIC", "QTYPES", "VERSION", "ColdFormatError", "DiskTier", "Encoded", "Fetched", "ForeignItem", "LowerTiers", "MooncakeStore", "RemoteStore", "RemoteStoreError", "RemoteTier", "StoredKV", "decode", "encode", "read_header"]

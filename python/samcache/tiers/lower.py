@@ -1,4 +1,4 @@
-"""The tiers below the device pool for image KV: host memory, then local disk.
+"""The tiers below the device pool for image KV: host memory, local disk, a shared store.
 
 When the device store lets an image's KV go (its byte bound, or a prompt that needs the blocks),
 the KV is copied out of the pool and *demoted* here instead of being lost: into host memory as it
@@ -6,6 +6,9 @@ is (pinned on CUDA, so the copy back is a plain DMA), and from there, when the h
 its bound, down to the disk tier in the cold encoding (FP8/INT8 + zstd). A lookup that misses the
 device store asks :meth:`LowerTiers.fetch`: a host hit is exact; a disk hit is the quantized KV.
 The item then goes back up into pool blocks (the caller *promotes* it) and leaves the host tier.
+With a shared store (:class:`samcache.tiers.remote.RemoteTier`), what an instance computes is
+also *published* there at once (:meth:`LowerTiers.publish`), so other instances find it after
+host and disk: what one computed, the others reuse.
 
 Every item carries its metadata (the position its keys are rotated to, and the ``check`` record of
 what it was made from: grid, token count, model depth); a fetch whose record differs is a miss,
@@ -25,6 +28,7 @@ import torch
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
 from samcache.tiers.disk import DiskTier
+from samcache.tiers.remote import RemoteTier
 
 
 def _normal(check: Any) -> Any:
@@ -36,7 +40,7 @@ def _normal(check: Any) -> Any:
 @dataclass(frozen=True)
 class Fetched:
     """``kv``: [layers, 2, tokens, kv_heads, head_dim] on the CPU; ``position``: the first M-RoPE
-    position its keys are rotated to; ``tier``: 'host' or 'disk'."""
+    position its keys are rotated to; ``tier``: 'host', 'disk' or 'remote'."""
 
     kv: torch.Tensor
     position: int
@@ -51,20 +55,26 @@ class _HostItem:
 
 
 class LowerTiers:
-    """Host memory (``host_bytes``, 0 for none) over an optional :class:`DiskTier`."""
+    """Host memory (``host_bytes``, 0 for none) over an optional :class:`DiskTier` and an
+    optional shared :class:`RemoteTier`."""
 
-    def __init__(self, host_bytes: int, disk: DiskTier | None = None, *, pin_memory: bool = False) -> None:
+    def __init__(self, host_bytes: int, disk: DiskTier | None = None, remote: RemoteTier | None = None, *,
+                 pin_memory: bool = False) -> None:
         self.host_bytes = check_int("host_bytes", host_bytes, 0)
         if disk is not None and not isinstance(disk, DiskTier):
             raise TypeError(f"disk must be a DiskTier, got {type(disk).__name__}")
-        if not self.host_bytes and disk is None:
-            raise ValueError("LowerTiers needs a host tier (host_bytes > 0) or a disk tier")
+        if remote is not None and not isinstance(remote, RemoteTier):
+            raise TypeError(f"remote must be a RemoteTier, got {type(remote).__name__}")
+        if not self.host_bytes and disk is None and remote is None:
+            raise ValueError("LowerTiers needs a host tier (host_bytes > 0), a disk tier or a remote tier")
         self.disk = disk
+        self.remote = remote
         self.pin_memory = bool(pin_memory)
         self._host: OrderedDict[ContentKey, _HostItem] = OrderedDict()
         self._host_used = 0
         self._lock = threading.Lock()
-        self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "to_disk": 0, "dropped": 0}
+        self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "remote_hits": 0, "misses": 0, "to_disk": 0,
+                      "dropped": 0, "published": 0}
 
     def demote(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> None:
         """Keep ``kv`` (copied to the CPU) one tier down; what overflows the host tier goes to disk."""
@@ -96,6 +106,16 @@ class LowerTiers:
             else:
                 self.stats["dropped"] += 1
 
+    def publish(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> bool:
+        """Put a freshly computed item into the shared store (a no-op without one, or if it is
+        there already)."""
+        if self.remote is None:
+            return False
+        ok = self.remote.put(namespace, key, kv.detach().to("cpu"), {"position": int(position), "check": _normal(check)})
+        if ok:
+            self.stats["published"] += 1
+        return ok
+
     def fetch(self, namespace: Namespace, key: ContentKey, check: Any) -> Fetched | None:
         """The item's KV from the highest tier holding it with the same ``check`` record, taken
         out of the host tier (it goes back up); None if no tier has it."""
@@ -112,6 +132,11 @@ class LowerTiers:
             if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
                 self.stats["disk_hits"] += 1
                 return Fetched(got.kv, got.meta["position"], "disk")
+        if self.remote is not None:
+            got = self.remote.get(namespace, key)
+            if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
+                self.stats["remote_hits"] += 1
+                return Fetched(got.kv, got.meta["position"], "remote")
         self.stats["misses"] += 1
         return None
 

@@ -1,0 +1,184 @@
+"""The shared tier: KV items in a store that several engine instances (on several machines) use.
+
+:class:`RemoteStore` is the small interface samcache needs from such a store (put / get / exists /
+remove of bytes by key, with batch forms). :class:`MooncakeStore` is its backend over Mooncake
+Store, the distributed KV-cache store that SGLang HiCache, vLLM and LMCache deployments already
+run (``mooncake_master`` plus a transfer engine; TCP here, RDMA in production through the same
+API). :class:`RemoteTier` keeps KV items there in the cold encoding (:mod:`samcache.tiers.cold`)
+under ``samcache/{namespace}/{content key}/kv``: the namespace (model and tenant) is part of every
+key, and the encoded header is checked again on every read, so another model's, another tenant's
+or a damaged item is never used (a damaged one is removed).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from samcache.hashing import ContentKey, Namespace
+from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode, read_header
+from samcache.tiers.disk import StoredKV
+
+
+class RemoteStoreError(RuntimeError):
+    """The shared store cannot be reached or refused an operation it should accept."""
+
+
+class RemoteStore(ABC):
+    """Bytes by string key in a store shared across processes and machines."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key``; False if the store refused it (full, or the key exists)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The bytes under ``key``, or None."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def remove(self, key: str) -> bool: ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        return [self.put(k, d) for k, d in items]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self.exists(k) for k in keys]
+
+    def close(self) -> None:  # noqa: B027 - optional for backends
+        """Release the connection (a backend without one does nothing)."""
+
+
+class MooncakeStore(RemoteStore):
+    """A Mooncake Store client. ``master``: the ``mooncake_master`` RPC address (host:port);
+    ``metadata_server``: its metadata service (``http://host:port/metadata`` for the master's
+    built-in HTTP server, or an etcd address); ``segment_bytes``: the memory this client
+    contributes to the distributed pool (what it stores lives there while the client runs);
+    ``buffer_bytes``: its local transfer buffer; ``protocol``: ``"tcp"`` or ``"rdma"``."""
+
+    def __init__(self, master: str, metadata_server: str, *, local_hostname: str = "127.0.0.1",
+                 segment_bytes: int = 512 << 20, buffer_bytes: int = 128 << 20, protocol: str = "tcp",
+                 rdma_devices: str = "") -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise RemoteStoreError("MooncakeStore needs the mooncake package (pip install "
+                                   "mooncake-transfer-engine-non-cuda; Debian libibverbs1)") from e
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        for name, value in (("master", master), ("metadata_server", metadata_server)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        _check_reachable(master)  # the client retries for ~90 s before giving up: fail fast instead
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_server, int(segment_bytes), int(buffer_bytes), protocol,
+                               rdma_devices, master)
+        if rc != 0:
+            raise RemoteStoreError(f"cannot connect to Mooncake master {master} (metadata {metadata_server}): "
+                                   f"setup returned {rc}")
+        self._lock = threading.Lock()
+        self.master = master
+
+    def put(self, key: str, data: bytes) -> bool:
+        with self._lock:
+            return self._store.put(key, bytes(data)) == 0
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if self._store.is_exist(key) != 1:
+                return None
+            data = self._store.get(key)
+        return bytes(data) if data else None
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return self._store.is_exist(key) == 1
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            return self._store.remove(key) == 0
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [r == 1 for r in self._store.batch_is_exist(list(keys))]
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.close()
+
+
+def _check_reachable(address: str, timeout: float = 3.0) -> None:
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"master must be host:port, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RemoteStoreError(f"cannot reach the Mooncake master at {address}: {e}") from None
+
+
+class RemoteTier:
+    """KV items of many engine instances in one :class:`RemoteStore`, in the cold encoding."""
+
+    def __init__(self, store: RemoteStore, *, qtype: str | None = "fp8_e4m3", per_head: bool = True,
+                 block_size: int = 16) -> None:
+        if not isinstance(store, RemoteStore):
+            raise TypeError(f"store must be a RemoteStore, got {type(store).__name__}")
+        self.store = store
+        self.qtype, self.per_head, self.block_size = qtype, per_head, block_size
+        self.stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "refused": 0}
+
+    @staticmethod
+    def key_of(namespace: Namespace, key: ContentKey, kind: str = "kv") -> str:
+        """``samcache/{namespace}/{content key}/{kind}``: the store key of an item."""
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a samcache.Namespace, got {type(namespace).__name__}")
+        if not isinstance(key, ContentKey):
+            raise TypeError(f"key must be a ContentKey, got {type(key).__name__}")
+        return f"samcache/{namespace.digest.hex()}/{key.digest.hex()}/{kind}"
+
+    def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict | None = None) -> bool:
+        """Publish an item (a no-op if the store already has it)."""
+        name = self.key_of(namespace, key)
+        if self.store.exists(name):
+            return True
+        data = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size,
+                      meta=meta).data
+        ok = self.store.put(name, data)
+        self.stats["puts" if ok else "refused"] += 1
+        return ok
+
+    def get(self, namespace: Namespace, key: ContentKey) -> StoredKV | None:
+        name = self.key_of(namespace, key)
+        data = self.store.get(name)
+        if data is None:
+            self.stats["misses"] += 1
+            return None
+        try:
+            kv = decode(data, namespace, key)
+            meta = read_header(data)["meta"]
+        except ForeignItem:  # cannot happen with namespaced keys unless someone wrote it there
+            self.stats["misses"] += 1
+            return None
+        except ColdFormatError:
+            self.store.remove(name)
+            self.stats["dropped"] += 1
+            return None
+        self.stats["hits"] += 1
+        return StoredKV(kv, meta)
+
+    def __contains__(self, item: tuple[Namespace, ContentKey]) -> bool:
+        return self.store.exists(self.key_of(*item))
+
+
+__all__ = ["MooncakeStore", "RemoteStore", "RemoteStoreError", "RemoteTier"]
