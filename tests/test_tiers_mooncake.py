@@ -15,15 +15,14 @@ pytest.importorskip("mooncake.store", reason="make test installs mooncake-transf
 
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
 from samcache.tiers import MooncakeStore, RemoteStoreError, RemoteTier  # noqa: E402
-
-from mooncake_helpers import MooncakeMaster, free_port  # noqa: E402
+from samcache.tiers.mooncake_local import LocalMooncakeMaster, free_port  # noqa: E402
 
 NS = Namespace("tiny", tenant="acme")
 
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    with MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as m:
+    with LocalMooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as m:
         yield m
 
 

@@ -1,5 +1,5 @@
-"""Start and stop a real ``mooncake_master`` (with its HTTP metadata server) on free loopback
-ports for the tests (imported by them; not a test module)."""
+"""A local ``mooncake_master`` (with its HTTP metadata server) on free loopback ports: for tests,
+benchmarks and trying the shared tier on one machine. Production runs its own master."""
 
 from __future__ import annotations
 
@@ -22,25 +22,28 @@ def master_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mooncake_master")
 
 
-class MooncakeMaster:
-    """``with MooncakeMaster(log) as m: MooncakeStore(m.master, m.metadata)``."""
+class LocalMooncakeMaster:
+    """``with LocalMooncakeMaster(log) as m: MooncakeStore(m.master, m.metadata)``; ``lease_ms``:
+    how long a read keeps an object from removal (the master's ``default_kv_lease_ttl``)."""
 
-    def __init__(self, log: Path) -> None:
-        self.log = log
+    def __init__(self, log: str | Path, *, lease_ms: int = 500) -> None:
+        self.log = Path(log)
+        self.lease_ms = int(lease_ms)
         self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
         self.master = f"127.0.0.1:{self.rpc}"
         self.metadata = f"http://127.0.0.1:{self.http}/metadata"
 
-    def __enter__(self) -> MooncakeMaster:
+    def __enter__(self) -> LocalMooncakeMaster:
         binary = master_binary()
         if binary is None:
             raise RuntimeError("mooncake_master is not installed (make test installs mooncake-transfer-engine-non-cuda)")
+        self._log = open(self.log, "w")  # noqa: SIM115 - closed in __exit__
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
              f"--http_metadata_server_port={self.http}", "--http_metadata_server_host=127.0.0.1",
              f"--metrics_port={self.metrics}", "--rpc_thread_num=2", "--enable_metric_reporting=false",
-             "--default_kv_lease_ttl=500"],
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+             f"--default_kv_lease_ttl={self.lease_ms}"],
+            stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -61,3 +64,7 @@ class MooncakeMaster:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._log.close()
+
+
+__all__ = ["LocalMooncakeMaster", "free_port", "master_binary"]

@@ -1,0 +1,186 @@
+"""Memory tiers under a device budget smaller than the working set: TTFT, hits per tier, bytes and
+the fidelity cost of the cold encodings; and two instances sharing one Mooncake store.
+
+The docs scenario with many pages (``--pages``, default 40) revisited in changing order: the
+image-KV store on the device holds ``--device-pages`` pages' KV, far fewer than the trace uses.
+Configurations, each its own engine over the same checkpoint and trace:
+
+- ``device-only``: what falls out of the device store is recomputed (today's LRU);
+- ``+host``: demoted to host memory (exact) and brought back;
+- ``+disk-fp8`` / ``+disk-int8`` / ``+disk-lossless``: demoted straight to local disk in that
+  encoding (no host tier), to isolate the encoding's cost and bytes.
+
+Fidelity is the next-token KL and top-1 agreement against a full prefill, on every
+``--fidelity-every``-th turn. Then the shared tier: two engines split the turns (even / odd)
+alone, and again over one Mooncake Store (a local ``mooncake_master``): pages one computed, the
+other reuses.
+
+    python bench/bench_tiers.py --out bench/out/tiers        # tiny random Qwen2.5-VL, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import shutil
+import statistics
+import tempfile
+
+import torch
+
+from samcache.engine import SAMcacheEngine
+from samcache.models import build_tiny_model
+from samcache.workloads import make_trace
+
+
+def _engine(model, args, **kw) -> SAMcacheEngine:
+    return SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=args.pool_mib << 20,
+                          prefix_cache=False, **kw)
+
+
+def _page_bytes(model, trace, args) -> int:
+    probe = _engine(model, args)
+    prompt = probe.build_prompt(trace.turns[0].resolved())
+    tokens = max(s.length for s in prompt.images)
+    return (-(-tokens // probe.pool.block_size) + 1) * probe.runner.block_bytes
+
+
+def run_config(name: str, engine: SAMcacheEngine, turns, args) -> dict:
+    engine.warm_up()
+    rows = []
+    for i, turn in enumerate(turns):
+        fid = args.fidelity_every > 0 and i % args.fidelity_every == args.fidelity_every - 1
+        r = engine.chat(messages=turn.resolved(), max_new_tokens=turn.max_new_tokens, ignore_eos=True, fidelity=fid)
+        m = r.metrics
+        rows.append({"ttft_s": m.ttft_s, "images": m.images, "hits": m.image_kv_hits, "host": m.image_kv_host_hits,
+                     "disk": m.image_kv_disk_hits, "remote": m.image_kv_remote_hits,
+                     "kl": m.fidelity.kl if m.fidelity else None,
+                     "top1": m.fidelity.top1_agree if m.fidelity else None})
+    engine.check_invariants()
+    warm = rows[args.warm_turns:]
+    images = sum(x["images"] for x in warm)
+    kls = [x["kl"] for x in rows if x["kl"] is not None]
+    top1 = [x["top1"] for x in rows if x["top1"] is not None]
+    out = {
+        "config": name, "turns": len(rows),
+        "median_ttft_s": statistics.median(x["ttft_s"] for x in warm),
+        "mean_ttft_s": statistics.fmean(x["ttft_s"] for x in warm),
+        "hit_rate": sum(x["hits"] for x in warm) / images,
+        "hit_rate_by_tier": {t: sum(x[t] for x in warm) / images for t in ("host", "disk", "remote")},
+        "kl_median": statistics.median(kls) if kls else None, "kl_max": max(kls) if kls else None,
+        "top1_agree": sum(top1) / len(top1) if top1 else None,
+    }
+    lower = engine.lower_tiers
+    if lower is not None and lower.disk is not None:
+        out["disk_bytes"] = lower.disk.used_bytes
+        out["disk_items"] = len(lower.disk)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default="bench/out/tiers")
+    ap.add_argument("--pages", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=40)
+    ap.add_argument("--per-turn", type=int, default=3)
+    ap.add_argument("--page-size", type=int, nargs=2, default=(560, 420), metavar=("H", "W"))
+    ap.add_argument("--device-pages", type=int, default=8, help="pages of image KV the device store holds")
+    ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--warm-turns", type=int, default=4, help="first turns left out of TTFT and hit rates")
+    ap.add_argument("--fidelity-every", type=int, default=4)
+    ap.add_argument("--configs", default="device-only,+host,+disk-fp8,+disk-int8,+disk-lossless")
+    ap.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run two instances alone and over one Mooncake store")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="samcache-tiers-"))
+    model = args.model or build_tiny_model("qwen2_5_vl", work / "model", seed=0)
+    trace = make_trace("docs", turns=args.turns, pages=args.pages, per_turn=args.per_turn,
+                       size=tuple(args.page_size), seed=0)
+    page = _page_bytes(model, trace, args)
+    device_bytes = args.device_pages * page
+    host_bytes = 2 * args.pages * page
+    configs = {
+        "device-only": {},
+        "+host": {"host_kv_cache_bytes": host_bytes},
+        "+disk-fp8": {"cold_kv_qtype": "fp8_e4m3"},
+        "+disk-int8": {"cold_kv_qtype": "int8"},
+        "+disk-lossless": {"cold_kv_qtype": None},
+    }
+    runs = []
+    for name in args.configs.split(","):
+        kw = dict(configs[name])
+        if name.startswith("+disk"):
+            kw["disk_kv_cache_dir"] = work / f"disk-{name}"
+        runs.append(run_config(name, _engine(model, args, image_kv_cache_bytes=device_bytes, **kw), trace.turns, args))
+        print(json.dumps({k: v for k, v in runs[-1].items()}), flush=True)
+    shared = None
+    if args.shared:
+        shared = run_shared(model, trace, device_bytes, args, work)
+    results = {
+        "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+        "model": str(args.model or "tiny random Qwen2.5-VL"), "trace": trace.summary(),
+        "device_store_bytes": device_bytes, "page_kv_bytes": page, "configs": runs, "shared": shared,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    base = next((r for r in runs if r["config"] == "device-only"), None)
+    for r in runs:
+        ratio = f"  {base['median_ttft_s'] / r['median_ttft_s']:.2f}x vs device-only" if base else ""
+        kl = f"  KL median {r['kl_median']:.2e} max {r['kl_max']:.2e} top1 {r['top1_agree']:.0%}" if r["kl_median"] is not None else ""
+        disk = f"  disk {r['disk_bytes'] / 2**20:.1f} MiB for {r['disk_items']} pages" if "disk_bytes" in r else ""
+        print(f"{r['config']:15s} median TTFT {1000 * r['median_ttft_s']:7.1f} ms  hits {r['hit_rate']:.0%} "
+              f"{ {k: f'{v:.0%}' for k, v in r['hit_rate_by_tier'].items()} }{ratio}{kl}{disk}")
+    if shared:
+        for k, v in shared.items():
+            print(f"shared: {k}: median TTFT {1000 * v['median_ttft_s']:.1f} ms, hits {v['hit_rate']:.0%}, "
+                  f"remote {v['hit_rate_by_tier']['remote']:.0%}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def run_shared(model, trace, device_bytes, args, work) -> dict:
+    """Two engines take the turns in turn (even / odd), each alone, then over one Mooncake store
+    (lossless there, so the comparison is about reuse only)."""
+    from samcache.tiers import MooncakeStore
+    from samcache.tiers.mooncake_local import LocalMooncakeMaster
+
+    halves = [trace.turns[0::2], trace.turns[1::2]]
+    out = {"alone": run_config_interleaved([_engine(model, args, image_kv_cache_bytes=device_bytes) for _ in halves],
+                                           halves, args)}
+    with LocalMooncakeMaster(work / "mooncake.log") as m:
+        stores = [MooncakeStore(m.master, m.metadata, segment_bytes=1 << 30, buffer_bytes=256 << 20) for _ in halves]
+        engines = [_engine(model, args, image_kv_cache_bytes=device_bytes, remote_kv_store=s, cold_kv_qtype=None)
+                   for s in stores]
+        out["shared"] = run_config_interleaved(engines, halves, args)
+        for s in stores:
+            s.close()
+    return out
+
+
+def run_config_interleaved(engines, halves, args) -> dict:
+    """Both instances' turns, alternating, as two servers taking an agent's turns would."""
+    rows = []
+    for e in engines:
+        e.warm_up()
+    for i in range(max(len(h) for h in halves)):
+        for e, h in zip(engines, halves):
+            if i < len(h):
+                r = e.chat(messages=h[i].resolved(), max_new_tokens=h[i].max_new_tokens, ignore_eos=True)
+                m = r.metrics
+                rows.append({"turn": i, "ttft_s": m.ttft_s, "images": m.images, "hits": m.image_kv_hits,
+                             "host": m.image_kv_host_hits, "disk": m.image_kv_disk_hits,
+                             "remote": m.image_kv_remote_hits})
+    warm = [x for x in rows if x["turn"] >= args.warm_turns // 2]
+    images = sum(x["images"] for x in warm)
+    return {"median_ttft_s": statistics.median(x["ttft_s"] for x in warm),
+            "hit_rate": sum(x["hits"] for x in warm) / images,
+            "hit_rate_by_tier": {t: sum(x[t] for x in warm) / images for t in ("host", "disk", "remote")}}
+
+
+if __name__ == "__main__":
+    main()
