@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out/workflow")
     ap.add_argument("--workflows", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--role-words", type=int, default=400, help="words in each agent's role prompt")
+    ap.add_argument("--role-words", type=int, default=1000, help="words in each agent's role prompt (1000: ~2,100-token contexts)")
     ap.add_argument("--image-size", type=int, nargs=2, default=(336, 504), metavar=("H", "W"))
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--pool-fraction", type=float, default=0.6)

@@ -164,6 +164,24 @@ PYBIND11_MODULE(_C, m) {
              if (!h) return py::none();
              return to_bytes(*h);
            })
+      .def("block_hashes",
+           // Many blocks at once (eviction policies check that recorded blocks still hold what they
+           // held): 16 bytes a block (zeros where none) and a mask of the blocks that have a hash.
+           [](const BlockPool& p, const I32Array& blocks) {
+             if (blocks.ndim() != 1) throw std::invalid_argument("blocks must be 1-D");
+             const auto n = static_cast<size_t>(blocks.shape(0));
+             std::string hashes(n * sizeof(Key128), '\0'), mask(n, '\0');
+             {
+               py::gil_scoped_release nogil;
+               for (size_t i = 0; i < n; ++i) {
+                 auto h = p.block_hash(blocks.data()[i]);
+                 if (!h) continue;
+                 std::memcpy(&hashes[i * sizeof(Key128)], &*h, sizeof(Key128));
+                 mask[i] = 1;
+               }
+             }
+             return py::make_tuple(py::bytes(hashes), py::bytes(mask));
+           })
       .def("set_block_priority",
            [](BlockPool& p, const I32Array& blocks, int32_t priority) {
              if (blocks.ndim() != 1) throw std::invalid_argument("blocks must be 1-D");

@@ -201,6 +201,14 @@ class BlockPool:
         """The 16-byte prefix hash of a full, hashed block, else None."""
         return self._pool.block_hash(_check_int(block, "block"))
 
+    def block_hashes(self, blocks: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The prefix hashes of many blocks at once: uint8 [n, 16] (zeros where a block has none)
+        and bool [n], which blocks have one."""
+        hashes, mask = self._pool.block_hashes(as_int32_array(blocks, "blocks"))
+        n = len(mask)
+        return (np.frombuffer(hashes, dtype=np.uint8).reshape(n, DIGEST_SIZE).copy(),
+                np.frombuffer(mask, dtype=np.uint8).astype(bool))
+
     # ---- eviction -----------------------------------------------------------------------------
     def set_block_priority(self, blocks: Any, priority: int) -> None:
         """Eviction priority of these blocks: higher is kept longer (LRU among equals)."""

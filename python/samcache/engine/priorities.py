@@ -25,15 +25,14 @@ import numpy as np
 
 from samcache.block_pool import BlockPool
 from samcache.policies import AttentionActivity, AttentionAwarePolicy, EvictionPolicy, ItemState, WorkflowAwarePolicy
-from samcache.policies.base import PRIORITY_MIN
 
 
 @dataclass
 class _Item:
     last_use: int
     agents: set[str] = field(default_factory=set)
-    blocks: np.ndarray | None = None  # a context's blocks
-    hashes: list[bytes | None] | None = None  # what those blocks held when recorded
+    blocks: np.ndarray | None = None  # a context's blocks that had a prefix hash when recorded
+    hashes: np.ndarray | None = None  # [n, 16] those hashes: what the blocks held
 
 
 class CachePriorities:
@@ -68,8 +67,9 @@ class CachePriorities:
             if agent is not None:
                 item.agents.add(agent)
         if agent is not None and blocks is not None:
-            blocks = np.asarray(blocks, dtype=np.int32).copy()
-            self.contexts[agent] = _Item(now, {agent}, blocks, [self.pool.block_hash(int(b)) for b in blocks])
+            blocks = np.asarray(blocks, dtype=np.int32)
+            hashes, has = self.pool.block_hashes(blocks)
+            self.contexts[agent] = _Item(now, {agent}, blocks[has].copy(), hashes[has])
         if self.activity is not None and attention:
             masses = {(("context", agent) if key is None else key): m for key, m in attention.items()
                       if key is not None or agent is not None}
@@ -95,21 +95,27 @@ class CachePriorities:
             priority = self.policy.priority(self._state(key, item), now)
             for store in held:
                 store.index.set_priority(key, priority)
-        best: dict[int, int] = {}
+        blocks, prios = [], []
         for agent, item in list(self.contexts.items()):
-            valid = [int(b) for b, h in zip(item.blocks, item.hashes)
-                     if h is not None and self.pool.block_hash(int(b)) == h]
-            if not valid:
+            hashes, has = self.pool.block_hashes(item.blocks)  # one native call per context
+            valid = has & (hashes == item.hashes).all(axis=1)
+            if not valid.any():
                 del self.contexts[agent]
                 continue
-            priority = self.policy.priority(self._state(("context", agent), item), now)
-            for b in valid:
-                best[b] = max(best.get(b, PRIORITY_MIN), priority)
-        by_priority: dict[int, list[int]] = {}
-        for b, p in best.items():
-            by_priority.setdefault(p, []).append(b)
-        for p, blocks in by_priority.items():
-            self.pool.set_block_priority(np.asarray(blocks, dtype=np.int32), p)
+            blocks.append(item.blocks[valid])
+            prios.append(np.full(int(valid.sum()), self.policy.priority(self._state(("context", agent), item), now),
+                                 dtype=np.int64))
+        if not blocks:
+            return
+        blocks_all, prios_all = np.concatenate(blocks), np.concatenate(prios)
+        # A block in several contexts keeps the highest priority: sort by priority, keep each block's last.
+        order = np.argsort(prios_all, kind="stable")
+        blocks_all, prios_all = blocks_all[order], prios_all[order]
+        _, last = np.unique(blocks_all[::-1], return_index=True)
+        keep = len(blocks_all) - 1 - last
+        for p in np.unique(prios_all[keep]):
+            chosen = keep[prios_all[keep] == p]
+            self.pool.set_block_priority(blocks_all[chosen].astype(np.int32), int(p))
 
     def prefetch(self, horizon: int = 2) -> list[Hashable]:
         """What the agents of the next ``horizon`` workflow steps need, soonest first (images by
