@@ -109,6 +109,8 @@ def test_release_for_blocks_gives_up_least_recently_used_holds_first():
     assert b.state == "released" and a.state == "live" and pool.num_free_blocks() == 6
     b.extend(tokens(BS, 3))  # a released branch goes on (a new sequence)
     assert b.state == "live" and b.num_tokens == BS
+    res = b.extend_slots(3)  # tokens the pool is not told: slots only, never prefix-cached
+    assert len(res.slots) == 3 and b.num_tokens == BS + 3
     tree.check_invariants()
 
 

@@ -116,6 +116,15 @@ def test_bad_arguments_are_refused():
         encode(kv_tensor(), NS, KEY, block_size=0)
 
 
+def test_disk_tier_refuses_bad_options_at_once(tmp_path):
+    with pytest.raises(ValueError, match="qtype"):
+        DiskTier(tmp_path, 1 << 20, qtype="int4")
+    with pytest.raises(ValueError, match="max_bytes"):
+        DiskTier(tmp_path, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        DiskTier(tmp_path, 1 << 20, block_size=0)
+
+
 # ---- the disk tier --------------------------------------------------------------------------------
 def key(i: int):
     return NS.key(hash_bytes(f"image {i}".encode()))

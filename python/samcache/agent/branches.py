@@ -17,7 +17,7 @@ writes KV into pool slots can use it directly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,12 +151,6 @@ class Branch:
         private = int((refs == 1).sum())
         return BranchMemory(self.num_tokens, len(table), private, len(table) - private,
                             float((1.0 / np.maximum(refs, 1)).sum()))
-
-    def ancestors(self) -> Iterator[Branch]:
-        node = self.parent
-        while node is not None:
-            yield node
-            node = node.parent
 
     # ---- internals ----------------------------------------------------------------------------
     def _sequence(self) -> int:

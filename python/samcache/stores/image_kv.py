@@ -105,15 +105,7 @@ class ImageKVStore:
             self.entries.stats.rejected += 1
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
-        try:
-            inserted = self.entries.put(key, HeldImage(holder, start - first * bs, length, position, key, namespace,
-                                                       check), check, size_bytes=size)
-        except BaseException:
-            self.pool.free_sequence(holder)
-            raise
-        if not inserted:
-            self.pool.free_sequence(holder)
-        return inserted
+        return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check), size)
 
     def promote(self, key: ContentKey, namespace: Namespace, kv: Any, position: int, check: Any) -> HeldImage | None:
         """Bring KV fetched from a lower tier (``[layers, 2, tokens, kv_heads, head_dim]``) back into
@@ -128,20 +120,26 @@ class ImageKVStore:
             return None
         holder = self.pool.new_sequence()
         try:
-            res = self.pool.append_slots(holder, length)
-            self._write_kv(res.slots, kv)
-            held = HeldImage(holder, 0, length, int(position), key, namespace, check)
-            try:
-                inserted = self.entries.put(key, held, check, size_bytes=size)
-            except CacheFull:  # the images this turn pinned fill the store
-                inserted = False
+            self._write_kv(self.pool.append_slots(holder, length).slots, kv)
         except BaseException:
             self.pool.free_sequence(holder)
             raise
+        held = HeldImage(holder, 0, length, int(position), key, namespace, check)
+        return held if self._keep(held, size) else None
+
+    def _keep(self, held: HeldImage, size: int) -> bool:
+        """Insert ``held`` (whose holder sequence is live) as an entry of ``size`` bytes; its holder
+        is freed unless it was inserted."""
+        try:
+            inserted = self.entries.put(held.key, held, held.check, size_bytes=size)
+        except CacheFull:  # the images a turn pinned fill the store
+            inserted = False
+        except BaseException:
+            self.pool.free_sequence(held.seq)
+            raise
         if not inserted:
-            self.pool.free_sequence(holder)
-            return None
-        return held
+            self.pool.free_sequence(held.seq)
+        return inserted
 
     def pin(self, key: ContentKey) -> bool:
         """Keep this entry from eviction until :meth:`unpin` (a turn between lookup and splice);

@@ -23,7 +23,7 @@ import torch
 
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode, read_header
+from samcache.tiers.cold import QTYPES, ColdFormatError, ForeignItem, decode, encode, read_header
 
 SUFFIX = ".samkv"
 
@@ -45,6 +45,11 @@ class DiskTier:
                  per_head: bool = True, block_size: int = 16) -> None:
         self.path = Path(path)
         self.max_bytes = check_int("max_bytes", max_bytes, 1)
+        if qtype not in (*QTYPES, None):
+            raise ValueError(f"qtype must be one of {QTYPES} or None (lossless), got {qtype!r}")
+        if not isinstance(per_head, bool):
+            raise TypeError(f"per_head must be a bool, got {type(per_head).__name__}")
+        check_int("block_size", block_size, 1)
         self.qtype, self.per_head, self.block_size = qtype, per_head, block_size
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
