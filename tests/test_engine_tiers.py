@@ -128,5 +128,74 @@ def test_bad_tier_options_are_refused(model, tmp_path):
         make_engine(model, disk_kv_cache_dir=tmp_path, cold_kv_qtype="int4")
     with pytest.raises(ValueError, match="host_kv_cache_bytes"):
         make_engine(model, host_kv_cache_bytes=-1)
+    with pytest.raises(ValueError, match="prefetch_horizon"):
+        make_engine(model, prefetch_horizon=-1)
     assert make_engine(model, image_kv_cache=False, host_kv_cache_bytes=1 << 20).lower_tiers is None
     np.testing.assert_equal(make_engine(model).lower_tiers, None)
+
+
+def test_prefetch_lifts_items_from_disk_into_host_memory(tmp_path):
+    ns = Namespace("m", "t")
+    keys = [ns.key(hash_bytes(bytes([i]))) for i in range(3)]
+    kv = torch.randn(2, 2, 10, 1, 8)
+    check = ((1, 2, 4), 10, 2)
+    tiers = LowerTiers(host_bytes=kv.numel() * 4 * 2, disk=DiskTier(tmp_path, 1 << 20, qtype=None))
+    try:
+        for k in keys:
+            tiers.demote(ns, k, kv, position=5, check=check)
+        assert not tiers.fetch(ns, keys[2], check) is None  # host: 1 left there, keys[0] on disk
+        assert tiers.holds(keys[0]) and tiers.holds(keys[1]) and not tiers.holds(ns.key(hash_bytes(b"x")))
+        # keys[0] is on disk only; a wrong record or an unknown key lifts nothing.
+        done = tiers.prefetch([(ns, keys[0], check), (ns, keys[1], check), (ns, keys[2], ((1, 2, 4), 10, 3))])
+        assert len(done) == 2  # keys[1] is in host memory already: skipped
+        assert [f.result() for f in done] == [True, False]
+        assert tiers.stats["prefetched"] == 1 and tiers.stats["prefetch_seconds"] > 0
+        got = tiers.fetch(ns, keys[0], check)
+        assert got.tier == "host" and torch.equal(got.kv, kv) and got.position == 5
+        # A fetch of an item still on its way waits for it, then finds it in host memory.
+        tiers.demote(ns, keys[2], kv, position=5, check=check)
+        tiers.demote(ns, keys[0], kv, position=5, check=check)  # keys[1] spills to disk
+        assert tiers.stats["to_disk"] == 2
+        pending = tiers.prefetch([(ns, keys[1], check)])
+        got = tiers.fetch(ns, keys[1], check)
+        assert pending[0].done() and got is not None and got.tier == "host"
+    finally:
+        tiers.close()
+
+
+def test_workflow_prefetch_brings_the_next_agents_images_up_a_tier(model, tmp_path):
+    from samcache.policies import Workflow
+
+    engine = _small_store({"disk_kv_cache_dir": tmp_path / "kv", "cold_kv_qtype": None, "host_kv_cache_bytes": 0,
+                           "eviction_policy": "workflow", "prefetch_horizon": 0}, model)
+    agents = ("a1", "a2", "a3", "a4")
+    engine.plan_workflow(Workflow.sequence("wf", agents))
+    shots = {a: screenshot(50 + i, SIZE) for i, a in enumerate(agents)}
+
+    def turn(a):
+        return engine.chat(messages=[{"role": "system", "content": f"Agent {a}."}, user_message([shots[a]], "Go.")],
+                           max_new_tokens=1, agent="wf/" + a)
+
+    for a in agents:  # the store holds two screenshots: a1's and a2's went down to disk
+        turn(a)
+    assert engine.prefetch(wait=True) == 0  # host_kv_cache_bytes=0: nothing can come up ...
+    engine.lower_tiers.host_bytes = 64 << 20  # ... give the host tier room (as host_kv_cache_bytes would)
+    # a1 runs now; the images of a2 and a3 come next: those not in the pool come up from disk.
+    plan = [k for k in engine.prefetch_plan(horizon=2) if not isinstance(k, tuple)]
+    below = [k for k in plan if k not in engine.image_kv_store]
+    assert len(plan) == 2 and below  # the pool holds two of the four: at least one is below
+    assert engine.prefetch(horizon=2, wait=True) == len(below)
+    assert all(engine.lower_tiers.holds(k) for k in below) and engine.lower_tiers.stats["prefetched"] == len(below)
+    hits = [turn(a).metrics for a in agents[:3]]
+    assert sum(m.image_kv_host_hits for m in hits[1:]) == len(below)  # a2, a3 found them in host memory
+    assert sum(m.image_kv_disk_hits for m in hits[1:]) == 0
+    # With a horizon the engine sends them up by itself after every batch of turns, without waiting.
+    calls = []
+    engine.prefetch = lambda horizon=None, wait=True: calls.append((horizon, wait)) or 0
+    turn("a4")
+    assert calls == []  # prefetch_horizon=0: never
+    engine.prefetch_horizon = 2
+    turn("a1")
+    assert calls == [(None, False)]
+    engine.lower_tiers.close()
+    engine.check_invariants()

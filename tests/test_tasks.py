@@ -281,16 +281,23 @@ def test_dense_traces_ask_for_descriptions_and_leave_room_for_them(scenario):
 def test_evidence_repeats_the_part_of_the_description_that_holds_the_answer(kind):
     for seed in range(150):
         ex = vqa.make_example(vqa.split_seed("train", seed), num_images=1 + seed % 4, kind=kind, size=(84, 84))
-        found = vqa.evidence(ex)
+        found = vqa.evidence_line(ex)
         reply = vqa.dense_reply(ex, evidence=True)
         assert reply == vqa.dense_reply(ex).replace("\nAnswer:", f"\nFound: {found}\nAnswer:")
         spec = ex.specs[ex.target_image]
-        body = found.split(": ", 1)[1] if len(ex.specs) > 1 else found
-        assert body in vqa.describe(spec)  # a copy of the target image's description
-        if len(ex.specs) > 1:
-            assert found.startswith(vqa.ORDINALS[ex.target_image].capitalize())
-        if ex.answer not in vqa.ORDINALS:
+        place = f"{vqa.ORDINALS[ex.target_image]} {'page' if kind == 'docs' else ('image' if kind == 'mixed' else 'screenshot')}"
+        keys, _, body = found.partition(": ") if ": " in found else ("", "", found)
+        if ex.question_type in ("which", "which_page"):
+            # the looked-up key first, the image's ordinal last
+            assert found.endswith(f" in the {place}" if ex.question_type == "which" else f": the {place}")
+            assert ex.question_type == "which_page" or body.removesuffix(f" in the {place}") in vqa.describe(spec)
+        else:
+            if len(ex.specs) > 1:
+                assert keys.startswith(f"{place}")
+            assert body in vqa.describe(spec)  # a copy of the target image's description
             assert ex.answer in body
+        if spec.kind == "gui":  # the keys are words of the question
+            assert all(word in ex.question for word in keys.replace(",", "").split() if word not in ("the", "at"))
         assert vqa.is_correct(reply, ex.answer)
 
 

@@ -151,6 +151,14 @@ class SAMcacheEngine:
     pool); when a prompt needs blocks, the least recently used images are released first.
     ``max_step_tokens`` bounds the rows of one forward step (continuous batching in
     :meth:`chat_batch`).
+
+    Tiers below the pool (:mod:`samcache.tiers`): ``host_kv_cache_bytes`` of host memory,
+    ``disk_kv_cache_dir`` (at most ``disk_kv_cache_bytes``, ``cold_kv_qtype`` encoding) and a
+    shared ``remote_kv_store``; images the pool lets go are demoted there, and come back up on a
+    hit. ``eviction_policy`` ("lru", "priority-lru", "workflow", "attention", with
+    ``eviction_options``) decides what goes first; with "workflow" and a tier below the pool, after
+    every batch of turns a worker thread brings what the agents of the next ``prefetch_horizon``
+    steps need up into host memory (0: no prefetch; :meth:`prefetch`).
     """
 
     def __init__(
@@ -188,6 +196,7 @@ class SAMcacheEngine:
         disk_kv_cache_bytes: int = 4 << 30,
         cold_kv_qtype: str | None = "fp8_e4m3",
         remote_kv_store: RemoteStore | None = None,
+        prefetch_horizon: int = 2,
     ) -> None:
         if compression_enabled:
             raise ValueError(
@@ -294,7 +303,9 @@ class SAMcacheEngine:
         self.eviction_policy = policy
         # Plain LRU is the pool's and the stores' own order: nothing to track or write.
         self.priorities = (None if isinstance(policy, LRUPolicy) else
-                           CachePriorities(policy, self.pool, [self.image_kv_store.entries, self.vit_store]))
+                           CachePriorities(policy, self.pool, [self.image_kv_store.entries, self.vit_store],
+                                           lower=self.lower_tiers))
+        self.prefetch_horizon = check_int("prefetch_horizon", prefetch_horizon, 0)
         self.seed = seed
         self._turns = 0
         self._lock = threading.RLock()
@@ -354,6 +365,29 @@ class SAMcacheEngine:
         turn; with the pool alone there is no lower tier to bring them from. Empty otherwise."""
         with self._lock:
             return [] if self.priorities is None else self.priorities.prefetch(horizon)
+
+    def prefetch(self, horizon: int | None = None, *, wait: bool = True) -> int:
+        """Bring the images the agents of the next ``horizon`` steps need (:meth:`prefetch_plan`;
+        default ``prefetch_horizon``) from disk or the shared store up into host memory, in a
+        worker thread; with ``wait`` return once they are there. The number of images sent up
+        (those not in the pool or host memory already). Their turn then finds them one tier
+        higher, and a turn that needs one still on its way waits for that one only. Contexts
+        (``("context", agent)``) stay in the pool's prefix cache, which has no tier below it yet."""
+        horizon = self.prefetch_horizon if horizon is None else horizon
+        with self._lock:
+            lower = self.lower_tiers
+            if lower is None or self.priorities is None or not horizon:
+                return 0
+            items = []
+            for key in self.priorities.prefetch(horizon):
+                origin = self.priorities.origin(key)
+                if origin is not None and key not in self.image_kv_store:
+                    items.append((origin[0], key, origin[1]))
+            futures = lower.prefetch(items)
+        if wait:
+            for f in futures:
+                f.result()
+        return len(futures)
 
     def context_memory(self) -> TreeMemory:
         """Blocks the held sessions hold: distinct, as full clones, and per branch."""
@@ -557,9 +591,12 @@ class SAMcacheEngine:
             done = self.scheduler.run([a for a, _ in admitted])
             for i, (adm, history), out in zip(where, admitted, done):
                 if self.priorities is not None and not isinstance(out, BaseException):
-                    self.priorities.record(requests[i].agent, [s.key for s in self.executor.layout(adm.prompt,
-                                           adm.namespace).images], out.blocks, out.attention)
+                    images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index]))
+                              for s in self.executor.layout(adm.prompt, adm.namespace).images}
+                    self.priorities.record(requests[i].agent, images, out.blocks, out.attention)
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
+            if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
+                self.prefetch(wait=False)  # the next agents' images come up while the caller goes on
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
                 warnings.warn("no sensitivity curves for this model yet: the recompute budget is uniform across layers "

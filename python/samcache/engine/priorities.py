@@ -17,7 +17,7 @@ its behaviour is exactly the pool's and the stores' own LRU.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,19 +33,22 @@ class _Item:
     agents: set[str] = field(default_factory=set)
     blocks: np.ndarray | None = None  # a context's blocks that had a prefix hash when recorded
     hashes: np.ndarray | None = None  # [n, 16] those hashes: what the blocks held
+    origin: Any = None  # an image's (namespace, check record): what a lower tier finds it by
 
 
 class CachePriorities:
     """``policy`` applied to ``pool`` (agents' context blocks) and ``stores`` (objects with an
     ``index``, a ContentIndex keyed by namespaced image content, e.g. the ViT store and the
-    image-KV store's entries)."""
+    image-KV store's entries). ``lower``: the tiers below the pool (``holds(key)``); an image they
+    hold stays tracked, so prefetch can bring it back up."""
 
-    def __init__(self, policy: EvictionPolicy, pool: BlockPool, stores: Iterable[Any]) -> None:
+    def __init__(self, policy: EvictionPolicy, pool: BlockPool, stores: Iterable[Any], lower: Any = None) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise TypeError(f"policy must be an EvictionPolicy, got {type(policy).__name__}")
         self.policy = policy
         self.pool = pool
         self.stores = list(stores)
+        self.lower = lower
         self.activity = AttentionActivity() if isinstance(policy, AttentionAwarePolicy) else None
         self.clock = 0
         self.images: dict[Hashable, _Item] = {}
@@ -55,15 +58,19 @@ class CachePriorities:
     def samples_attention(self) -> bool:
         return self.activity is not None
 
-    def record(self, agent: str | None, images: Iterable[Hashable], blocks: np.ndarray | None,
-               attention: dict | None = None) -> None:
+    def record(self, agent: str | None, images: Iterable[Hashable] | Mapping[Hashable, Any],
+               blocks: np.ndarray | None, attention: dict | None = None) -> None:
         """One finished turn of ``agent`` (None: a turn outside any agent) that used ``images``
-        and ran in ``blocks``; ``attention``: Executor.attention_sample of it."""
+        (keys, or a mapping of keys to their (namespace, check record) for prefetch) and ran in
+        ``blocks``; ``attention``: Executor.attention_sample of it."""
         self.clock += 1
         now = self.clock
-        for key in images:
+        origins = images if isinstance(images, Mapping) else dict.fromkeys(images)
+        for key, origin in origins.items():
             item = self.images.setdefault(key, _Item(now))
             item.last_use = now
+            if origin is not None:
+                item.origin = origin
             if agent is not None:
                 item.agents.add(agent)
         if agent is not None and blocks is not None:
@@ -87,7 +94,7 @@ class CachePriorities:
         now = self.clock
         for key, item in list(self.images.items()):
             held = [s for s in self.stores if key in s.index]
-            if not held:
+            if not held and (self.lower is None or not self.lower.holds(key)):
                 del self.images[key]
                 if self.activity is not None:
                     self.activity.forget(key)
@@ -126,6 +133,11 @@ class CachePriorities:
         items = [self._state(key, item) for key, item in self.images.items()]
         items += [self._state(("context", a), item) for a, item in self.contexts.items()]
         return self.policy.prefetch(items, horizon)
+
+    def origin(self, key: Hashable) -> Any:
+        """An image's (namespace, check record) as last recorded; None if unknown."""
+        item = self.images.get(key)
+        return None if item is None else item.origin
 
     def priorities(self) -> dict[Hashable, int]:
         """Each tracked item's priority now (images by key, contexts as ('context', agent))."""

@@ -55,7 +55,7 @@ class TrainConfig:
     (:func:`train_vision`), which then learns at ``vision_lr_scale`` times ``lr``;
     ``answer_weight``: the loss weight of the answer's tokens (1 for the description's);
     ``evidence``: dense replies repeat the part of the description that holds the answer before
-    it (:func:`samcache.tasks.visual_qa.evidence`);
+    it, keys first (:func:`samcache.tasks.visual_qa.evidence_line`);
     ``init_from``: an earlier run to continue (its weights, and the train examples after those it
     saw; set ``vision_steps=0``).
 

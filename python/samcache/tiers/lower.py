@@ -13,13 +13,22 @@ host and disk: what one computed, the others reuse.
 Every item carries its metadata (the position its keys are rotated to, and the ``check`` record of
 what it was made from: grid, token count, model depth); a fetch whose record differs is a miss,
 never a wrong hit. Order within a tier is least recently used on a logical counter.
+
+*Prefetch* (:meth:`LowerTiers.prefetch`) moves items up before they are asked for: a worker
+thread reads them from disk or the shared store, decodes them and puts them in the host tier,
+while the engine computes other turns. A fetch of an item still on its way waits for that one
+item only. ``stats`` says how long the worker spent loading (``prefetch_seconds``: load time taken
+off the turns' critical path) and how long turns still waited for it (``prefetch_wait_seconds``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +82,11 @@ class LowerTiers:
         self._host: OrderedDict[ContentKey, _HostItem] = OrderedDict()
         self._host_used = 0
         self._lock = threading.Lock()
+        self._inflight: dict[ContentKey, Future] = {}
+        self._worker: ThreadPoolExecutor | None = None
         self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "remote_hits": 0, "misses": 0, "to_disk": 0,
-                      "dropped": 0, "published": 0}
+                      "dropped": 0, "published": 0, "prefetched": 0, "prefetch_seconds": 0.0,
+                      "prefetch_wait_seconds": 0.0}
 
     def demote(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> None:
         """Keep ``kv`` (copied to the CPU) one tier down; what overflows the host tier goes to disk."""
@@ -82,14 +94,24 @@ class LowerTiers:
             raise TypeError(f"key must be a ContentKey, got {type(key).__name__}")
         meta = {"position": int(position), "check": _normal(check)}
         kv = kv.detach().to("cpu", copy=True)
+        with self._lock:
+            self.stats["demoted"] += 1
+        self._to_host(namespace, key, kv, meta, spill_self=True)
+
+    def _to_host(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict, *,
+                 spill_self: bool) -> bool:
+        """Put an item in the host tier, spilling the least recently used ones to disk; an item
+        bigger than the host tier goes straight down if ``spill_self`` (a demotion), else nowhere
+        (a prefetch: it is on disk already). True if the host tier now holds it."""
         if self.pin_memory:
             kv = kv.pin_memory()
         size = kv.numel() * kv.element_size()
         spill: list[tuple[ContentKey, _HostItem]] = []
+        held = size <= self.host_bytes
         with self._lock:
-            self.stats["demoted"] += 1
-            if size > self.host_bytes:
-                spill.append((key, _HostItem(namespace, kv, meta)))  # too big for host memory: straight down
+            if not held:
+                if spill_self:
+                    spill.append((key, _HostItem(namespace, kv, meta)))  # too big for host memory: straight down
             else:
                 old = self._host.pop(key, None)
                 if old is not None:
@@ -101,10 +123,56 @@ class LowerTiers:
                     self._host_used -= item.kv.numel() * item.kv.element_size()
                     spill.append((k, item))
         for k, item in spill:  # disk writes outside the lock
-            if self.disk is not None and self.disk.put(item.namespace, k, item.kv, item.meta):
-                self.stats["to_disk"] += 1
-            else:
-                self.stats["dropped"] += 1
+            written = self.disk is not None and self.disk.put(item.namespace, k, item.kv, item.meta)
+            with self._lock:
+                self.stats["to_disk" if written else "dropped"] += 1
+        return held
+
+    def prefetch(self, items: Iterable[tuple[Namespace, ContentKey, Any]]) -> list[Future]:
+        """Bring ``items`` ((namespace, key, check) each) up into the host tier in a worker thread,
+        in the given order (soonest needed first); items already in host memory or on their way are
+        skipped. Each future's result: True if the item is in host memory now."""
+        futures = []
+        for namespace, key, check in items:
+            with self._lock:
+                if key in self._host or key in self._inflight:
+                    continue
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="samcache-prefetch")
+                future = self._worker.submit(self._lift, namespace, key, _normal(check))
+                self._inflight[key] = future
+            futures.append(future)
+        return futures
+
+    def _lift(self, namespace: Namespace, key: ContentKey, want: Any) -> bool:
+        start = time.perf_counter()
+        try:
+            got = self._lower_get(namespace, key, want)
+            ok = got is not None and self._to_host(namespace, key, got[0], got[1], spill_self=False)
+            with self._lock:
+                self.stats["prefetched"] += int(ok)
+            return ok
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+                self.stats["prefetch_seconds"] += time.perf_counter() - start
+
+    def _lower_get(self, namespace: Namespace, key: ContentKey, want: Any) -> tuple[torch.Tensor, dict, str] | None:
+        """The item from disk, else from the shared store, if its record is ``want``."""
+        for tier, store in (("disk", self.disk), ("remote", self.remote)):
+            if store is None:
+                continue
+            got = store.get(namespace, key)
+            if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
+                return got.kv, got.meta, tier
+        return None
+
+    def close(self) -> None:
+        """Stop the prefetch worker (waits for the item it is loading)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True, cancel_futures=True)
 
     def publish(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> bool:
         """Put a freshly computed item into the shared store (a no-op without one, or if it is
@@ -121,24 +189,37 @@ class LowerTiers:
         out of the host tier (it goes back up); None if no tier has it."""
         want = _normal(check)
         with self._lock:
+            pending = self._inflight.get(key)
+        if pending is not None:  # on its way up: wait for this item only
+            start = time.perf_counter()
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - a failed prefetch is a plain lookup below
+                pass
+            with self._lock:
+                self.stats["prefetch_wait_seconds"] += time.perf_counter() - start
+        with self._lock:
             item = self._host.get(key)
             if item is not None and item.namespace.digest == namespace.digest and item.meta["check"] == want:
                 del self._host[key]
                 self._host_used -= item.kv.numel() * item.kv.element_size()
                 self.stats["host_hits"] += 1
                 return Fetched(item.kv, item.meta["position"], "host")
-        if self.disk is not None:
-            got = self.disk.get(namespace, key)
-            if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
-                self.stats["disk_hits"] += 1
-                return Fetched(got.kv, got.meta["position"], "disk")
-        if self.remote is not None:
-            got = self.remote.get(namespace, key)
-            if got is not None and got.meta.get("check") == want and isinstance(got.meta.get("position"), int):
-                self.stats["remote_hits"] += 1
-                return Fetched(got.kv, got.meta["position"], "remote")
-        self.stats["misses"] += 1
-        return None
+        got = self._lower_get(namespace, key, want)
+        with self._lock:
+            if got is None:
+                self.stats["misses"] += 1
+                return None
+            self.stats[f"{got[2]}_hits"] += 1
+        return Fetched(got[0], got[1]["position"], got[2])
+
+    def holds(self, key: ContentKey) -> bool:
+        """Whether host memory or the disk tier holds ``key`` (local tiers only: asking the shared
+        store is a network round trip)."""
+        with self._lock:
+            if key in self._host or key in self._inflight:
+                return True
+        return self.disk is not None and key in self.disk
 
     @property
     def host_used_bytes(self) -> int:
