@@ -18,7 +18,7 @@ from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
 from samcache.tiers import DiskTier, LowerTiers  # noqa: E402
 
-from engine_helpers import SIZE, make_engine  # noqa: E402
+from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +46,23 @@ def _turns(engine):
     return out
 
 
-def test_host_tier_brings_a_demoted_image_back_exactly(model):
-    reference = _turns(make_engine(model, prefix_cache=False))  # a store big enough for both
-    tiered = _small_store({"host_kv_cache_bytes": 64 << 20}, model)
+@pytest.mark.parametrize("opts", [{}, {"recompute_tracks": "heads"}, {"recompute_ratio": 0.0}])
+def test_host_tier_brings_a_demoted_image_back_exactly(model, opts):
+    """Track 2 scores the spliced keys before the forward (the load completes first); the other
+    settings load layer by layer during the forward. Either way: the reference's tokens."""
+    reference = _turns(make_engine(model, prefix_cache=False, **opts))  # a store big enough for both
+    tiered = _small_store({"host_kv_cache_bytes": 64 << 20, **opts}, model)
     got = _turns(tiered)
     m = got[3].metrics
     assert m.image_kv_hits == 2 and m.image_kv_host_hits == 1 and m.image_kv_disk_hits == 0
     assert reference[3].metrics.image_kv_hits == 2
     assert got[3].token_ids == reference[3].token_ids  # host memory is lossless
+    assert m.tier_load_s > 0 and 0 <= m.tier_load_wait_s
     assert tiered.lower_tiers.stats["demoted"] >= 1
-    tiered.check_invariants()
+    a = tiered.executor.layout(tiered.build_prompt([user_message([screenshot(1, SIZE)], "x")]),
+                               Namespace(tiered.model_id, tiered.tenant)).images[0].key
+    assert a in tiered.image_kv_store  # promoted: held in the pool again
+    assert_clean(tiered)
     # Without lower tiers the same store loses the first image.
     plain = _turns(_small_store({}, model))
     assert plain[3].metrics.image_kv_hits == 1 and plain[3].metrics.image_kv_misses == 1

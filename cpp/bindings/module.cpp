@@ -14,6 +14,7 @@
 #include "samcache/block_pool.h"
 #include "samcache/content_index.h"
 #include "samcache/errors.h"
+#include "samcache/transfer_engine.h"
 
 namespace py = pybind11;
 using namespace samcache;
@@ -284,6 +285,47 @@ PYBIND11_MODULE(_C, m) {
         d["inserts"] = s.inserts;
         d["evictions"] = s.evictions;
         d["eviction_heap_nodes"] = s.eviction_heap_nodes;
+        return d;
+      });
+
+  py::class_<TransferEngine>(m, "TransferEngine")
+      .def(py::init<int>(), py::arg("num_threads"))
+      .def(
+          "submit",
+          [](TransferEngine& e, const std::vector<I64Array>& layers) {
+            // Each layer: int64 [n, 3] rows of (source address, destination address, bytes).
+            std::vector<std::vector<CopySpan>> spans(layers.size());
+            for (std::size_t l = 0; l < layers.size(); ++l) {
+              const auto& a = layers[l];
+              if (a.ndim() != 2 || (a.shape(0) && a.shape(1) != 3))
+                throw std::invalid_argument("each layer's spans are int64 [n, 3] (src, dst, bytes)");
+              auto r = a.unchecked<2>();
+              for (py::ssize_t i = 0; i < a.shape(0); ++i) {
+                if (r(i, 2) < 0) throw std::invalid_argument("a copy span has a negative length");
+                spans[l].push_back({reinterpret_cast<const void*>(static_cast<std::uintptr_t>(r(i, 0))),
+                                    reinterpret_cast<void*>(static_cast<std::uintptr_t>(r(i, 1))),
+                                    static_cast<std::size_t>(r(i, 2))});
+              }
+            }
+            py::gil_scoped_release nogil;
+            return e.submit(std::move(spans));
+          },
+          py::arg("layers"))
+      .def("wait", &TransferEngine::wait, py::arg("job"), py::arg("layer"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_all", &TransferEngine::wait_all, py::arg("job"), py::call_guard<py::gil_scoped_release>())
+      .def("progress", &TransferEngine::progress, py::arg("job"))
+      .def("num_layers", &TransferEngine::num_layers, py::arg("job"))
+      .def("job_seconds", &TransferEngine::job_seconds, py::arg("job"))
+      .def("release", &TransferEngine::release, py::arg("job"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_threads", &TransferEngine::num_threads)
+      .def("stats", [](const TransferEngine& e) {
+        TransferStats s = e.stats();
+        py::dict d;
+        d["jobs"] = s.jobs;
+        d["layers"] = s.layers;
+        d["bytes"] = s.bytes;
+        d["copy_seconds"] = s.copy_seconds;
+        d["wait_seconds"] = s.wait_seconds;
         return d;
       });
 

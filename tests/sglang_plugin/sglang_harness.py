@@ -889,14 +889,18 @@ def run_batch(
     steps: Sequence[ReqStep],
     mode: str = "extend",
     capture_full_hidden: bool = True,
+    after_init=None,
 ) -> ForwardOutput:
     """Run ``model.forward(input_ids, positions, forward_batch)`` for ``steps``
     through ``pools.attn_backend`` (``init_forward_metadata`` first, then the
     forward inside ``forward_context(ForwardContext(attn_backend=...))``).
-    Advances ``kv_len`` of the ``Request`` objects the steps came from."""
+    Advances ``kv_len`` of the ``Request`` objects the steps came from. ``after_init(fb)`` runs
+    where SGLang's ``ForwardBatch.init_new`` hooks run (e.g. the plugin's batch hook)."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     fb = build_forward_batch(pools, steps, mode, capture_full_hidden)
+    if after_init is not None:
+        fb = after_init(fb)
     backend = pools.attn_backend
     backend.init_forward_metadata(fb)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):

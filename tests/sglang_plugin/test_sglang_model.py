@@ -254,3 +254,40 @@ def test_metrics_path_is_written_after_each_step(arch, tmp_path):
     _run(model, second, SamcacheAttnBackend)
     written = json.loads(path.read_text())
     assert written["images_reused"] == 2 and written["steps"] == 2 and written["reused_tokens"] == 40
+
+
+def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(arch):
+    """Three agents, one screenshot each, a store with room for two. Requests name their agent
+    with SGLang's ``routing_key`` (recorded by the plugin's batch hook): under LRU the cycle
+    misses every time; the workflow-aware policy keeps the images of the agents that run soonest."""
+    import types
+
+    from samcache.integrations import sglang as plugin
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    config = arch[0]
+    agents = ("a1", "a2", "a3")
+    prompts = {a: H.prompt_with_images(config, [[1 + i, 2, 3], GRID_A, [7, 8, 9]], seed=10 + i)
+               for i, a in enumerate(agents)}
+    probe = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    _run(probe, prompts["a1"], SamcacheAttnBackend)
+    image_bytes = probe._samcache_reuse.store.used_bytes
+    assert image_bytes > 0
+    team = {"eviction_policy": "workflow", "eviction_options": {"workflows": [{"name": "team", "agents": list(agents)}]}}
+    reused = {}
+    for name, extra in (("lru", {}), ("workflow", team)):
+        settings = ReuseSettings.from_mapping({"recompute_ratio": 0.0, **extra}, source="test")
+        model = _override(arch, settings, TensorStore("t", int(2.5 * image_bytes)))
+        reused[name] = 0
+        for r in range(3):
+            for k, a in enumerate(agents):
+                reset_stats()
+                pools = H.Pools.for_model(model, backend_factory=SamcacheAttnBackend)
+                req = H.Request.create(model, pools, *prompts[a])
+                batch = types.SimpleNamespace(reqs=[types.SimpleNamespace(rid=f"req-{r}-{k}", routing_key=f"team/{a}",
+                                                                          extra_key=None, cache_salt=None)])
+                H.run_batch(model, pools, [req.extend()], capture_full_hidden=False,
+                            after_init=lambda fb: plugin._record_extra_keys(fb, object, batch))
+                reused[name] += stats().images_reused
+    assert reused["lru"] == 0  # three images cycling through room for two
+    assert reused["workflow"] >= 3, reused

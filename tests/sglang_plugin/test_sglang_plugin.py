@@ -93,3 +93,4 @@ def test_batch_hook_records_each_requests_isolation_keys():
                                         types.SimpleNamespace(extra_key=None, cache_salt=None)])
     assert plugin._record_extra_keys(forward_batch, object, batch, None) is forward_batch
     assert forward_batch.samcache_extra_keys == [("lora-a", "salt-a"), (None, None)]
+    assert forward_batch.samcache_agents == [(None, None), (None, None)]  # no rid or routing_key given

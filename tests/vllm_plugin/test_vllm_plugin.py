@@ -264,6 +264,8 @@ BAD_CONFIG_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("extra, message", [
     ({"recompute_ratoi": 0.1}, "unknown kv_connector_extra_config key(s) ['recompute_ratoi']"),
     ({"recompute_ratio": 1.5}, "recompute_ratio must be a number in [0, 1], got 1.5"),
+    ({"eviction_policy": "workflow", "eviction_options": {"workflows": [{"name": "t"}]}},
+     "eviction_options: a workflow is"),
 ])
 def test_bad_configuration_fails_at_start_up_with_a_clear_message(checkpoint, env, extra, message):
     proc = subprocess.run([sys.executable, "-c", BAD_CONFIG_SCRIPT, checkpoint, repr(extra)], capture_output=True,
@@ -339,3 +341,48 @@ def test_vllm_serve_with_the_flag_reuses_known_images(checkpoint, env):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def _team_turns(rounds: int):
+    """Agents a1, a2, a3 take turns, each with its own screenshot (A, B, C) after a new line of text
+    (so vLLM's prefix cache stops before the image and the plugin plans it)."""
+    for r in range(rounds):
+        for k, (agent, name) in enumerate(zip(("a1", "a2", "a3"), "ABC")):
+            text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                    f"Round {r}, step {k}: what do you see?<|vision_start|><|image_pad|><|vision_end|>"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+            yield agent, {"prompt": text, "multi_modal_data": {"image": [IMAGES[name]]}}
+
+
+def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(checkpoint, env):
+    """A store that holds two of the three agents' screenshots: under LRU the cycle misses every
+    time; with the workflow-aware policy (agents named per request in kv_transfer_params) the
+    store keeps the images of the agents that run soonest and some turns reuse theirs."""
+    import json
+
+    from vllm import SamplingParams
+
+    text = json.load(open(os.path.join(checkpoint, "config.json")))
+    text = text.get("text_config", text)
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    image_bytes = 2 * text["num_hidden_layers"] * 96 * text["num_key_value_heads"] * head_dim * 4 + 3 * 96 * 8
+    reused = {}
+    for policy in ("lru", "workflow"):
+        path = env / f"team-{policy}.json"
+        extra = {"recompute_ratio": 0.0, "store_bytes": int(2.5 * image_bytes), "metrics_path": str(path)}
+        if policy == "workflow":
+            extra.update(eviction_policy="workflow",
+                         eviction_options={"workflows": [{"name": "team", "agents": ["a1", "a2", "a3"]}]})
+        llm = make_llm(checkpoint, extra)
+        try:
+            for agent, p in _team_turns(rounds=3):
+                params = SamplingParams(max_tokens=1, temperature=0.0,
+                                        extra_args={"kv_transfer_params": {"samcache_agent": f"team/{agent}"}})
+                llm.generate([p], params, use_tqdm=False)
+        finally:
+            close(llm)
+        m = read_metrics(path)
+        assert m.images_saved + m.images_reused == 9
+        reused[policy] = m.images_reused
+    assert reused["lru"] == 0  # three images cycling through room for two
+    assert reused["workflow"] >= 3, reused

@@ -42,7 +42,7 @@ from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.scheduler import Admission, Finished, Scheduler
 from samcache.errors import PromptTooLong
-from samcache.engine.priorities import CachePriorities
+from samcache.policies.cache_priorities import CachePriorities
 from samcache.hashing import Namespace
 from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, WorkflowAwarePolicy, make_policy
 from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
@@ -295,7 +295,7 @@ class SAMcacheEngine:
             self.lower_tiers = LowerTiers(host_kv_cache_bytes, disk, remote, pin_memory=self.device.type == "cuda")
         self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
                                            self.runner.block_bytes, lower=self.lower_tiers,
-                                           read_kv=self.runner.read_kv, write_kv=self.runner.write_kv)
+                                           read_kv=self.runner.read_kv)
         self.contexts = ContextTree(self.pool)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
                                  image_kv_store=self.image_kv_store, contexts=self.contexts)

@@ -10,7 +10,8 @@ looks its plan up (plan/run split).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ class SequenceStep:
     layer_rows: list[np.ndarray] | None = None
     deepstack_rows: np.ndarray | None = None
     deepstack_features: list[torch.Tensor] | None = None
+    before_layer: Callable[[int], None] | None = None  # runs before each layer (KV still loading)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class StepBatch:
     layers: list[RowSubset | None]
     logit_rows: torch.Tensor  # [B] each sequence's last row
     deepstack_features: list[torch.Tensor] | None = None
+    before_layer: list[Callable[[int], None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, steps: list[SequenceStep], *, num_layers: int, block_size: int,
@@ -129,7 +132,8 @@ class StepBatch:
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
         positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
         return cls(embeds=embeds, positions=positions.to(device), all_rows=all_rows, layers=layers,
-                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats)
+                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
+                   before_layer=[s.before_layer for s in steps if s.before_layer is not None])
 
 
 __all__ = ["RowSubset", "SequenceStep", "StepBatch"]

@@ -40,6 +40,8 @@ from samcache.hashing import Namespace
 from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
 from samcache.stores import HeldImage, ImageKVStore, TensorStore
+from samcache.tiers.lower import Fetched
+from samcache.tiers.transfer import LayerLoad, TransferEngine
 
 _LOWEST = -(2**31)
 _RELEVANCE_QUERIES = 32  # the prompt's last new tokens whose attention scores track 2
@@ -93,6 +95,35 @@ class Prepared:
     metrics: TurnMetrics
     vit: dict[int, tuple] = field(default_factory=dict)  # image index -> ViT output used this turn
     hashed: bool = False  # some of its blocks were hashed into the prefix cache
+    load: TierLoad | None = None  # images' KV still loading from a lower tier into the sequence
+    loaded: dict = field(default_factory=dict)  # key -> (Fetched, check): those images
+
+
+class TierLoad:
+    """Images' KV loading from a lower tier straight into a sequence's slots, layer by layer: before
+    layer l runs, :meth:`before_layer` waits for layer l's copy and re-rotates its keys in place to
+    the new positions. Idempotent per layer (a step may be run twice, e.g. for fidelity)."""
+
+    def __init__(self, runner: ModelRunner, load: LayerLoad, slots: np.ndarray, deltas: np.ndarray) -> None:
+        self.runner, self.load, self.slots, self.deltas = runner, load, slots, deltas
+        self._moved = bool(np.any(deltas))
+        self._done: set[int] = set()
+
+    def before_layer(self, layer: int) -> None:
+        if layer in self._done:
+            return
+        self.load.wait(layer)
+        if self._moved:
+            self.runner.splice(self.slots, self.slots, self.deltas, layers=(layer,))
+        self._done.add(layer)
+
+    def finish(self) -> None:
+        """Every layer in place now (for what reads the KV before the forward)."""
+        for layer in range(self.runner.num_layers):
+            self.before_layer(layer)
+
+    def release(self) -> None:
+        self.load.release()
 
 
 class Executor:
@@ -107,6 +138,9 @@ class Executor:
         self.vit_store = vit_store
         self.image_kv_store = image_kv_store
         self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
+        # Hits in the tiers below the pool load into the sequence layer by layer (TierLoad).
+        self.transfer = (TransferEngine(runner.k_cache, runner.v_cache)
+                         if image_kv_store.lower is not None else None)
 
     # ---- stage 1 -------------------------------------------------------------------------------
     def layout(self, prompt: Prompt, namespace: Namespace) -> PromptLayout:
@@ -134,6 +168,8 @@ class Executor:
         seq = pool.new_sequence(self.prefix_space(namespace, options))
         adopted, hashed = 0, False
         pinned: list = []
+        loaded: dict = {}  # key -> (Fetched, check): images this turn takes from a lower tier
+        load: TierLoad | None = None
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
@@ -145,26 +181,33 @@ class Executor:
                         continue
                     check = self.kv_check(prompt.images[slot.index])
                     h = held.get(slot.key) or self.image_kv_store.get(slot.key, check=check)
-                    if h is None and self.image_kv_store.lower is not None:
-                        h = self._promote(slot.key, namespace, check, m)
-                    if h is None:
+                    if h is None and slot.key not in loaded and self.transfer is not None:
+                        got = self._fetch_lower(slot.key, namespace, check, m)
+                        if got is not None:
+                            loaded[slot.key] = (got, check)
+                    if h is None and slot.key not in loaded:
                         m.image_kv_misses += 1
                     else:
                         m.image_kv_hits += 1
-                        if slot.key not in held and self.image_kv_store.pin(slot.key):
+                        if h is not None and slot.key not in held and self.image_kv_store.pin(slot.key):
                             pinned.append(slot.key)  # making room below must not evict it
-                        held[slot.key] = h
+                        if h is not None:
+                            held[slot.key] = h
+            cached = {k: CachedImage(h.length, h.position) for k, h in held.items()}
+            cached.update({k: CachedImage(int(got.kv.shape[2]), got.position) for k, (got, _) in loaded.items()})
             plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
-                              cached={k: CachedImage(h.length, h.position) for k, h in held.items()})
+                              cached=cached)
             self._allocate(seq, prompt, adopted, plan, options)
             hashed = options.register_prefix and (options.approximate_prefix or plan.exact_tokens > adopted)
             table = pool.block_table(seq)
-            if plan.spliced:  # every known image's KV, re-rotated into place, in one call
+            from_pool = [s for s in plan.spliced if layout.images[s.image].key in held]
+            if from_pool:  # every image the pool holds, re-rotated into place, in one call
                 src = [self.image_kv_store.slots(held[layout.images[s.image].key], s.offset, s.length)
-                       for s in plan.spliced]
-                dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in plan.spliced]
-                deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in plan.spliced])
+                       for s in from_pool]
+                dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in from_pool]
+                deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in from_pool])
                 runner.splice(np.concatenate(src), np.concatenate(dst), deltas)
+            load = self._start_load(layout, plan, loaded, table, namespace)
             # ViT outputs: images with new tokens, and (when some of their tokens may be recomputed)
             # the spliced ones; one batched vision-tower call for all misses.
             wanted = set(plan.vit_images)
@@ -173,9 +216,16 @@ class Executor:
             vit: dict[int, tuple] = {}
             self.ensure_vit(prompt, sorted(wanted), vit, m, options, namespace)
             if plan.needs_scores:
+                if load is not None:
+                    load.finish()  # scoring reads the spliced keys
                 plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
             step = self.sequence_step(prompt, plan, table, vit)
+            if load is not None:
+                step.before_layer = load.before_layer
         except BaseException:
+            if load is not None:
+                load.release()  # no copy may land in blocks freed below
+            self._return_loaded(loaded, namespace)
             self.discard(seq, table_from=adopted // bs, hashed=hashed)
             raise
         finally:
@@ -188,25 +238,44 @@ class Executor:
         m.recomputed_token_layers = plan.recomputed_token_layers
         m.recompute_rates = plan.recompute_rates
         m.exact_tokens = plan.exact_tokens
-        return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed)
+        return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded)
 
-    def _promote(self, key, namespace: Namespace, check, m: TurnMetrics) -> HeldImage | None:
-        """An image's KV from the tiers below the pool, back in pool blocks (None: no tier has it,
-        or the pool cannot make room)."""
+    def _fetch_lower(self, key, namespace: Namespace, check, m: TurnMetrics) -> Fetched | None:
+        """An image's KV from the tiers below the pool (None: no tier has it)."""
         got = self.image_kv_store.lower.fetch(namespace, key, check)
-        if got is None:
-            return None
-        held = self.image_kv_store.promote(key, namespace, got.kv, got.position, check)
-        if held is None:  # no room up here this turn: it stays below
-            self.image_kv_store.lower.demote(namespace, key, got.kv, got.position, check)
-        else:
+        if got is not None:
             if got.tier == "host":
                 m.image_kv_host_hits += 1
             elif got.tier == "disk":
                 m.image_kv_disk_hits += 1
             else:
                 m.image_kv_remote_hits += 1
-        return held
+        return got
+
+    def _start_load(self, layout: PromptLayout, plan: ReusePlan, loaded: dict, table: np.ndarray,
+                    namespace: Namespace) -> TierLoad | None:
+        """Start loading the spliced spans of images fetched from a lower tier into the sequence's
+        slots (one transfer job, layer by layer); images fetched but not spliced go back down."""
+        spans = [s for s in plan.spliced if layout.images[s.image].key in loaded]
+        used = {layout.images[s.image].key for s in spans}
+        self._return_loaded({k: v for k, v in loaded.items() if k not in used}, namespace)
+        for key in set(loaded) - used:
+            del loaded[key]
+        if not spans:
+            return None
+        bs = self.pool.block_size
+        kv = torch.cat([loaded[layout.images[s.image].key][0].kv[:, :, s.offset:s.offset + s.length] for s in spans],
+                       dim=2)
+        slots = np.concatenate([slot_ids(table, np.arange(s.start, s.end), bs) for s in spans])
+        deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in spans])
+        return TierLoad(self.runner, self.transfer.load(kv, slots), slots, deltas)
+
+    def _return_loaded(self, loaded: dict, namespace: Namespace) -> None:
+        """Fetched images this turn does not keep go back down a tier (a fetch takes them out of
+        host memory)."""
+        lower = self.image_kv_store.lower
+        for key, (got, check) in loaded.items():
+            lower.demote(namespace, key, got.kv, got.position, check)
 
     def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions) -> None:
         """Blocks for tokens ``[adopted, n)``: the exact part hashed into the prefix cache (if asked),
@@ -366,10 +435,20 @@ class Executor:
 
     # ---- stage 3 -------------------------------------------------------------------------------
     def register(self, pre: Prepared) -> None:
-        """Keep the KV of every image this turn computed in full (held in its blocks) for reuse at
-        any position."""
+        """Keep the KV of every image this turn computed in full, or loaded whole from a lower
+        tier (held in its blocks), for reuse at any position."""
+        loaded = self._finish_load(pre)
         if not (pre.options.store_images and pre.options.use_image_kv):
+            self._return_loaded(loaded, pre.namespace)
             return
+        for span in pre.prompt.images:  # promoted: the pool holds them again, at this turn's positions
+            key = pre.namespace.key(span.image.content)
+            if key in loaded and span.start >= pre.plan.prefix_tokens and key not in self.image_kv_store:
+                position = int(pre.prompt.positions[0, span.start])
+                if self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=loaded[key][1],
+                                           namespace=pre.namespace):
+                    del loaded[key]
+        self._return_loaded(loaded, pre.namespace)
         spliced = {s.image for s in pre.plan.spliced}
         for span in pre.prompt.images:
             if span.index in spliced or span.start < pre.plan.prefix_tokens:
@@ -398,8 +477,20 @@ class Executor:
                             block_table=pool.block_table(seq), num_kv_tokens=n)
 
     # ---- failures --------------------------------------------------------------------------------
+    def _finish_load(self, pre: Prepared) -> dict:
+        """Release the turn's tier load (after its forward, or when it is dropped), note its times;
+        the images it loaded (key -> (Fetched, check)), for the caller to keep or send back."""
+        if pre.load is not None:
+            pre.load.release()
+            pre.metrics.tier_load_s = pre.load.load.copy_seconds
+            pre.metrics.tier_load_wait_s = pre.load.load.waited_seconds
+            pre.load = None
+        loaded, pre.loaded = pre.loaded, {}
+        return loaded
+
     def discard_prepared(self, pre: Prepared) -> None:
         """Drop a prepared request whose forward step did not complete (its adopted prefix stays)."""
+        self._return_loaded(self._finish_load(pre), pre.namespace)
         self.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.pool.block_size, hashed=pre.hashed)
 
     def discard(self, seq: int, *, table_from: int, hashed: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -191,6 +192,8 @@ class ModelRunner:
         h = batch.embeds.to(self.device, self.dtype).clone()
         cos_all, sin_all = self.rope(batch.positions, h)
         for l, layer in enumerate(self.layers):
+            for hook in batch.before_layer:  # KV loading from a lower tier: wait for this layer's
+                hook(l)
             sub = batch.layers[l] or batch.all_rows
             rows = None if batch.layers[l] is None else sub.index
             if rows is None:
@@ -228,10 +231,12 @@ class ModelRunner:
         flat = [c.view(-1, *c.shape[2:]) for c in (self.k_cache, self.v_cache)]
         ops.copy_blocks(flat, (pairs[None] + offsets).reshape(-1, 2))
 
-    def _all_layers(self, slots: torch.Tensor) -> torch.Tensor:
-        """Slots of every layer in the flat [layers * blocks * block_size] view, layer-major."""
+    def _all_layers(self, slots: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Slots of every layer (or of ``layers``) in the flat [layers * blocks * block_size] view,
+        layer-major."""
         per_layer = self.num_blocks * self.block_size
-        return (slots[None, :] + torch.arange(self.num_layers, device=self.device)[:, None] * per_layer).reshape(-1)
+        which = torch.arange(self.num_layers) if layers is None else torch.as_tensor(list(layers), dtype=torch.int64)
+        return (slots[None, :] + which.to(self.device)[:, None] * per_layer).reshape(-1)
 
     def gather_kv(self, slots: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, len(slots), kv_heads, head_dim] at these slots."""
@@ -262,17 +267,20 @@ class ModelRunner:
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
-    def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
-        """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer, each key re-rotated by its
-        ``deltas`` entry of M-RoPE positions (all three axes), in one fused call for all layers."""
+    def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray,
+               layers: Sequence[int] | None = None) -> None:
+        """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer (or in ``layers``), each
+        key re-rotated by its ``deltas`` entry of M-RoPE positions (all three axes), in one fused
+        call for all those layers. ``src_slots`` may be ``dst_slots`` (re-rotation in place)."""
         n = len(src_slots)
         if not n:
             return
-        src = self._all_layers(torch.as_tensor(src_slots, dtype=torch.int64, device=self.device))
-        dst = self._all_layers(torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device))
+        count = self.num_layers if layers is None else len(layers)
+        src = self._all_layers(torch.as_tensor(src_slots, dtype=torch.int64, device=self.device), layers)
+        dst = self._all_layers(torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device), layers)
         shape = (-1, self.num_kv_heads, self.head_dim)
         keys = self.k_cache.view(shape).index_select(0, src)  # a copy: the op refuses views of its cache
-        per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64), device=self.device).repeat(self.num_layers)
+        per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64), device=self.device).repeat(count)
         deltas = per_row.expand(3, -1).contiguous()  # the same shift on all three M-RoPE axes
         flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         ops.rope_rerotate_write(keys, deltas, self.inv_freq, self.family.rope_style, self.mrope_section, flat_k, dst)

@@ -21,7 +21,11 @@ class ReuseSettings:
     ``store_bytes``: byte bound of the image-KV store (least recently used images go first);
     ``tenant``: the tenant of requests that name none (each engine says how a request names its
     own); ``metrics_path``: a JSON file the worker rewrites after every step that reused or saved
-    images (the counters of :mod:`samcache.integrations.vllm.metrics`)."""
+    images (the counters of :mod:`samcache.integrations.vllm.metrics`);
+    ``eviction_policy``: what the store lets go first: "lru" (default), "priority-lru" or
+    "workflow" (KVFlow: the images of the agents that run soonest stay; ``eviction_options``
+    ``{"workflows": [{"name": "team", "agents": ["planner", "worker", "reviewer"]}]}``, and each
+    request names its agent: :mod:`samcache.integrations.store_policy`)."""
 
     recompute_ratio: float = 0.05
     recompute_rates: tuple[float, ...] | None = None
@@ -29,6 +33,8 @@ class ReuseSettings:
     store_bytes: int = 1 << 30
     tenant: str = "default"
     metrics_path: str | None = None
+    eviction_policy: str = "lru"
+    eviction_options: Mapping[str, Any] | None = None
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any] | None, *, source: str):
@@ -56,8 +62,31 @@ class ReuseSettings:
         path = extra.get("metrics_path")
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"samcache: metrics_path must be a non-empty string, got {path!r}")
-        return cls(recompute_ratio=ratio, recompute_rates=rates, head_fraction=head, store_bytes=store,
-                   tenant=tenant, metrics_path=path)
+        policy = extra.get("eviction_policy", cls.eviction_policy)
+        options = extra.get("eviction_options")
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"samcache: eviction_options must be an object, got {options!r}")
+        out = cls(recompute_ratio=ratio, recompute_rates=rates, head_fraction=head, store_bytes=store,
+                  tenant=tenant, metrics_path=path, eviction_policy=policy,
+                  eviction_options=dict(options) if options is not None else None)
+        out.make_policy()  # a bad name or option stops the server now
+        return out
+
+    def make_policy(self):
+        """A fresh instance of the configured eviction policy (each store gets its own: the
+        workflow-aware policy keeps state)."""
+        from samcache.policies import POLICIES, make_policy
+
+        if self.eviction_policy == "attention":
+            raise ValueError("samcache: eviction_policy 'attention' needs the attention samples of samcache's own "
+                             "engine; the plugins support 'lru', 'priority-lru' and 'workflow'")
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES:
+            raise ValueError(f"samcache: unknown eviction_policy {self.eviction_policy!r}; "
+                             f"choose from 'lru', 'priority-lru', 'workflow'")
+        try:
+            return make_policy(self.eviction_policy, **dict(self.eviction_options or {}))
+        except ValueError as e:
+            raise ValueError(f"samcache: eviction_options: {e}") from None
 
     def layer_rates(self, num_layers: int) -> tuple[float, ...]:
         """The per-layer recompute rates for a model of ``num_layers`` decoder layers."""

@@ -51,6 +51,31 @@ class Workflow:
         self.order = order
 
     @classmethod
+    def from_spec(cls, spec: Mapping) -> Workflow:
+        """A workflow from plain data (a plugin's JSON options): ``{"name": ..., "agents": [...]}``
+        (one after another) or ``{"name": ..., "after": {agent: [agents it waits for]}}``, with an
+        optional ``"repeat"`` (default true)."""
+        if isinstance(spec, Workflow):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"a workflow must be an object with 'name' and 'agents' or 'after', got {spec!r}")
+        unknown = sorted(set(spec) - {"name", "agents", "after", "repeat"})
+        name, repeat = spec.get("name"), spec.get("repeat", True)
+        if unknown or not isinstance(name, str) or not name or not isinstance(repeat, bool) \
+                or ("agents" in spec) == ("after" in spec):
+            raise ValueError(f"a workflow is {{'name': str, 'agents': [...] or 'after': {{agent: [...]}}, "
+                             f"'repeat': bool}}, got {dict(spec)!r}")
+        if "agents" in spec:
+            agents = spec["agents"]
+            if isinstance(agents, str) or not all(isinstance(a, str) and a for a in agents):
+                raise ValueError(f"workflow {name!r}: 'agents' must be a list of names, got {agents!r}")
+            return cls.sequence(name, list(agents), repeat=repeat)
+        after = spec["after"]
+        if not isinstance(after, Mapping) or not all(isinstance(d, (list, tuple)) for d in after.values()):
+            raise ValueError(f"workflow {name!r}: 'after' must map each agent to a list of agents, got {after!r}")
+        return cls(name, {a: list(d) for a, d in after.items()}, repeat=repeat)
+
+    @classmethod
     def sequence(cls, name: str, agents: Sequence[str], *, repeat: bool = True) -> Workflow:
         """Agents that run one after another in the given order."""
         if len(set(agents)) != len(agents):
@@ -94,10 +119,12 @@ class WorkflowAwarePolicy(EvictionPolicy):
 
     name = "workflow"
 
-    def __init__(self, workflows: Iterable[Workflow] = ()):
+    def __init__(self, workflows: Iterable[Workflow | Mapping] = ()):
         self.workflows: dict[str, Workflow] = {}
+        if isinstance(workflows, (str, bytes, Mapping)):
+            raise ValueError(f"workflows must be a list of workflows, got {workflows!r}")
         for w in workflows:
-            self.add(w)
+            self.add(Workflow.from_spec(w))
 
     def add(self, workflow: Workflow) -> None:
         if workflow.name in self.workflows:

@@ -10,8 +10,9 @@ blocks if they are cached there too). Reuse reads the KV from those blocks
 (:meth:`ImageKVStore.slots`) and writes it, re-rotated, into the new sequence.
 
 With lower tiers (:class:`samcache.tiers.LowerTiers`), an entry the store lets go is first copied
-out of its blocks and demoted (host memory, then disk) instead of lost; :meth:`promote` brings a
-fetched one back into pool blocks. A turn pins the images it reuses (:meth:`pin`) so making
+out of its blocks and demoted (host memory, then disk) instead of lost; a turn that finds it
+there loads it straight into its own sequence, layer by layer (``samcache.engine.executor.TierLoad``),
+and the store holds it again from that sequence's blocks after the turn. A turn pins the images it reuses (:meth:`pin`) so making
 room for its own blocks can never evict them between lookup and splice.
 
 Bytes held per image token: the image's blocks, including the text tokens sharing its first and
@@ -58,16 +59,15 @@ class ImageKVStore:
     """
 
     def __init__(self, pool: BlockPool, capacity_bytes: int, block_bytes: int, *, lower=None,
-                 read_kv: Callable[[np.ndarray], Any] | None = None,
-                 write_kv: Callable[[np.ndarray, Any], None] | None = None) -> None:
+                 read_kv: Callable[[np.ndarray], Any] | None = None) -> None:
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
-        if lower is not None and (read_kv is None or write_kv is None):
-            raise ValueError("lower tiers need read_kv and write_kv (how KV leaves and enters the pool's blocks)")
+        if lower is not None and read_kv is None:
+            raise ValueError("lower tiers need read_kv (how KV leaves the pool's blocks)")
         self.pool = pool
         self.block_bytes = check_int("block_bytes", block_bytes, 1)
         self.lower = lower
-        self._read_kv, self._write_kv = read_kv, write_kv
+        self._read_kv = read_kv
         self.entries = TensorStore("image KV", capacity_bytes, on_evict=self._let_go)
 
     # ---- look-ups -------------------------------------------------------------------------------
@@ -106,26 +106,6 @@ class ImageKVStore:
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
         return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check), size)
-
-    def promote(self, key: ContentKey, namespace: Namespace, kv: Any, position: int, check: Any) -> HeldImage | None:
-        """Bring KV fetched from a lower tier (``[layers, 2, tokens, kv_heads, head_dim]``) back into
-        pool blocks of its own and hold it under ``key``; None if the pool cannot make room."""
-        length = int(kv.shape[2])
-        blocks = -(-length // self.pool.block_size)
-        size = blocks * self.block_bytes
-        if size > self.entries.index.capacity_bytes:
-            return None
-        self.evict_for_blocks(blocks)
-        if self.pool.num_free_blocks() < blocks:
-            return None
-        holder = self.pool.new_sequence()
-        try:
-            self._write_kv(self.pool.append_slots(holder, length).slots, kv)
-        except BaseException:
-            self.pool.free_sequence(holder)
-            raise
-        held = HeldImage(holder, 0, length, int(position), key, namespace, check)
-        return held if self._keep(held, size) else None
 
     def _keep(self, held: HeldImage, size: int) -> bool:
         """Insert ``held`` (whose holder sequence is live) as an entry of ``size`` bytes; its holder

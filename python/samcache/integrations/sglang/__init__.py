@@ -20,7 +20,9 @@ A user runs::
         --cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled
 
 Settings come from ``SAMCACHE_SGLANG`` (JSON: ``recompute_ratio``, ``recompute_rates``,
-``head_fraction``, ``store_bytes``, ``tenant``); ``SAMCACHE_SGLANG_PLUGIN=0`` turns the plugin off.
+``head_fraction``, ``store_bytes``, ``tenant``, ``eviction_policy``, ``eviction_options``; a
+request names its agent with ``routing_key``: :mod:`samcache.integrations.store_policy`);
+``SAMCACHE_SGLANG_PLUGIN=0`` turns the plugin off.
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ def check_version(version: str) -> None:
 
 def _record_extra_keys(forward_batch, *args, **kwargs):
     """AFTER hook of ``ForwardBatch.init_new``: keep each request's isolation keys (SGLang's
-    ``extra_key`` and ``cache_salt``): together with the configured tenant, its tenant."""
+    ``extra_key`` and ``cache_salt``): together with the configured tenant, its tenant; and its id
+    and ``routing_key`` (the agent it names, for the store's eviction policy)."""
     batch = next((a for a in args if hasattr(a, "reqs")), kwargs.get("batch"))
     reqs = getattr(batch, "reqs", None)
     if forward_batch is not None and reqs is not None:
         forward_batch.samcache_extra_keys = [(getattr(r, "extra_key", None), getattr(r, "cache_salt", None))
                                              for r in reqs]
+        forward_batch.samcache_agents = [(getattr(r, "rid", None), getattr(r, "routing_key", None)) for r in reqs]
     return forward_batch
 
 

@@ -22,7 +22,8 @@ from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import Rotary
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.sglang.attention import SamcacheAttnBackend
-from samcache.integrations.sglang.identity import model_fingerprint
+from samcache.integrations.sglang.identity import image_refs, model_fingerprint
+from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.sglang.step import PoolWriter, ReuseStats, SglangStep, plan_step, save_images
 from samcache.reuse import RecomputeBudget
 
@@ -153,6 +154,7 @@ class ModelReuse:
         self.budget = RecomputeBudget(rates=self.settings.layer_rates(self.num_layers),
                                       head_fraction=self.settings.head_fraction, relevance=False)
         self.store = store if store is not None else _process_store()
+        self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype
         self.model_id = model_fingerprint(model, dtype)
         self._warned = False
@@ -169,10 +171,27 @@ class ModelReuse:
 
         return namespace
 
+    def observe(self, forward_batch: Any) -> None:
+        """Tell the store's eviction policy which agent ran which images in this extend step
+        (nothing for plain LRU)."""
+        if not self.policy.tracks:
+            return
+        agents = getattr(forward_batch, "samcache_agents", None) or ()
+        namespace = self.namespace_of(forward_batch)
+        mm_inputs = forward_batch.mm_inputs or [None] * len(agents)
+        for b, (rid, agent) in enumerate(agents):
+            refs = image_refs(mm_inputs[b]) if b < len(mm_inputs) and mm_inputs[b] is not None else []
+            self.policy.observe(rid if rid is not None else ("batch", id(forward_batch), b), agent,
+                                [namespace(b).key(r.content) for r in refs if r.content is not None])
+        self.policy.apply()  # before this step's images are stored (and others evicted)
+
     def begin(self, forward_batch: Any) -> SglangStep | None:
         """Plan this forward (splicing stored images into the pool); None: SGLang's own path."""
         mode = forward_batch.forward_mode
-        if not mode.is_extend() or mode.is_target_verify() or not forward_batch.contains_image_inputs():
+        if not mode.is_extend() or mode.is_target_verify():
+            return None
+        self.observe(forward_batch)
+        if not forward_batch.contains_image_inputs():
             return None
         if any(lora is not None for lora in (forward_batch.lora_ids or ())):
             return None  # an adapter changes an image's KV, and its token segments cannot be subset

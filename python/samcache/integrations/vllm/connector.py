@@ -29,7 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from samcache.integrations.vllm import metrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
-from samcache.integrations.vllm.identity import model_fingerprint
+from samcache.hashing import Namespace
+from samcache.integrations.store_policy import StorePolicy
+from samcache.integrations.vllm.identity import model_fingerprint, store_key
 from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
                                              plan_forward)
 from samcache.reuse import RecomputeBudget
@@ -60,6 +62,7 @@ class _Tracked:
     images: tuple[ImageRef, ...]
     block_ids: list[int]
     tenant: str
+    agent: str | None = None
 
 
 class SamcacheConnector(KVConnectorBase_V1):
@@ -71,11 +74,14 @@ class SamcacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._tracked: dict[str, _Tracked] = {}
             self._tenants: dict[str, str] = {}
+            self._agents: dict[str, str | None] = {}
+            self._track_agents = self.config.eviction_policy != "lru"
             if vllm_config.scheduler_config.enable_chunked_prefill:
                 logger.info("samcache: chunked prefill is on; an image split by a chunk boundary is computed as "
                             "vLLM computes it (not reused, not saved)")
             return
         self.store = TensorStore("vllm-image-kv", self.config.store_bytes)
+        self.policy = StorePolicy(self.config, self.store)
         self._cache: VllmCacheWriter | None = None
         self._num_layers = 0
         self._rotary: Rotary | None = None
@@ -91,13 +97,26 @@ class SamcacheConnector(KVConnectorBase_V1):
         salt = getattr(request, "cache_salt", None)
         return f"salt:{salt}" if salt else f"default:{self.config.tenant}"
 
+    def _agent_of(self, request: Any) -> str | None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        agent = params.get("samcache_agent") if hasattr(params, "get") else None
+        if agent is not None and (not isinstance(agent, str) or not agent):
+            logger.warning("samcache: request %s: kv_transfer_params['samcache_agent'] must be a non-empty "
+                           "string, got %r; the request counts as no agent's", request.request_id, agent)
+            return None
+        return agent
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tenants[request.request_id] = self._tenant_of(request)
+        if self._track_agents:
+            self._agents[request.request_id] = self._agent_of(request)
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         # Every request admitted from waiting passes here (resumed ones and streamed sessions too).
         self._tenants[request.request_id] = self._tenant_of(request)
+        if self._track_agents:
+            self._agents[request.request_id] = self._agent_of(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         steps: list[RequestStep] = []
@@ -111,9 +130,14 @@ class SamcacheConnector(KVConnectorBase_V1):
             tenant = self._tenants.get(new.req_id)
             if tenant is None:  # never admitted through this connector: plan nothing for it
                 images = ()
-            tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]), tenant or "")
+            tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]), tenant or "",
+                               self._agents.get(new.req_id))
             self._tracked[new.req_id] = tracked
+            before = len(steps)
             self._add_step(steps, new.req_id, tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+            if len(steps) == before and tracked.agent is not None:  # no image ends here: the agent still ran
+                steps.append(RequestStep(new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                                         (), (), tracked.tenant, tracked.agent))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -132,11 +156,13 @@ class SamcacheConnector(KVConnectorBase_V1):
         end = min(start + num, tracked.prompt_len)
         images = tuple(i for i in tracked.images if start < i.offset + i.length <= end)
         if images and start + num <= tracked.prompt_len:  # prompt tokens only (no decode in the range)
-            steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant))
+            steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant,
+                                     tracked.agent))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._tenants.pop(request.request_id, None)
+        self._agents.pop(request.request_id, None)
         return False, None
 
     # ---------------------------------------------------------------- worker side
@@ -163,6 +189,15 @@ class SamcacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, SamcacheMetadata) or not meta.steps:
             return None
+        if self.policy.tracks:
+            for s in meta.steps:
+                namespace = Namespace(self.model_id, s.tenant)
+                keys = [k for k in (store_key(ref.identifier, namespace) for ref in s.images) if k is not None]
+                self.policy.observe(s.req_id, s.agent, keys)
+            self.policy.apply()  # before this step's images are stored (and others evicted)
+        planned = [s for s in meta.steps if s.images]
+        if not planned:
+            return None
         from vllm.forward_context import get_forward_context
 
         attn = get_forward_context().attn_metadata
@@ -176,7 +211,7 @@ class SamcacheConnector(KVConnectorBase_V1):
                 self._cache = None
                 return None
         first_layer = next(name for name, index in self._layer_of.items() if index == 0)
-        self._step = plan_forward(meta.steps, attn_metadata=attn.get(first_layer), positions=positions,
+        self._step = plan_forward(planned, attn_metadata=attn.get(first_layer), positions=positions,
                                   cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,
                                   budget=self._budget, num_layers=self._num_layers)
         return self._step

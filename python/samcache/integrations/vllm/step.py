@@ -58,7 +58,8 @@ class ImageRef:
 @dataclass(frozen=True)
 class RequestStep:
     """What the scheduler scheduled for one request this step: prompt tokens ``[start, start +
-    num_tokens)``, the request's blocks, its images inside that range and its tenant."""
+    num_tokens)``, the request's blocks, its images inside that range, its tenant and the agent
+    it names (``kv_transfer_params["samcache_agent"]``; for the store's eviction policy)."""
 
     req_id: str
     start: int
@@ -66,6 +67,7 @@ class RequestStep:
     block_ids: tuple[int, ...]
     images: tuple[ImageRef, ...]
     tenant: str
+    agent: str | None = None
 
     def slot(self, position: int, block_size: int) -> int:
         return self.block_ids[position // block_size] * block_size + position % block_size

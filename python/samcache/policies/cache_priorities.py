@@ -42,7 +42,7 @@ class CachePriorities:
     image-KV store's entries). ``lower``: the tiers below the pool (``holds(key)``); an image they
     hold stays tracked, so prefetch can bring it back up."""
 
-    def __init__(self, policy: EvictionPolicy, pool: BlockPool, stores: Iterable[Any], lower: Any = None) -> None:
+    def __init__(self, policy: EvictionPolicy, pool: BlockPool | None, stores: Iterable[Any], lower: Any = None) -> None:
         if not isinstance(policy, EvictionPolicy):
             raise TypeError(f"policy must be an EvictionPolicy, got {type(policy).__name__}")
         self.policy = policy
@@ -51,6 +51,7 @@ class CachePriorities:
         self.lower = lower
         self.activity = AttentionActivity() if isinstance(policy, AttentionAwarePolicy) else None
         self.clock = 0
+        self._applied_at = 0  # the clock at the last apply: items recorded since are not forgotten yet
         self.images: dict[Hashable, _Item] = {}
         self.contexts: dict[str, _Item] = {}
 
@@ -59,10 +60,11 @@ class CachePriorities:
         return self.activity is not None
 
     def record(self, agent: str | None, images: Iterable[Hashable] | Mapping[Hashable, Any],
-               blocks: np.ndarray | None, attention: dict | None = None) -> None:
+               blocks: np.ndarray | None, attention: dict | None = None, *, advance: bool = True) -> None:
         """One finished turn of ``agent`` (None: a turn outside any agent) that used ``images``
         (keys, or a mapping of keys to their (namespace, check record) for prefetch) and ran in
-        ``blocks``; ``attention``: Executor.attention_sample of it."""
+        ``blocks``; ``attention``: Executor.attention_sample of it. ``advance=False``: another
+        part of a turn already recorded (the workflow does not move on again)."""
         self.clock += 1
         now = self.clock
         origins = images if isinstance(images, Mapping) else dict.fromkeys(images)
@@ -81,7 +83,7 @@ class CachePriorities:
             masses = {(("context", agent) if key is None else key): m for key, m in attention.items()
                       if key is not None or agent is not None}
             self.activity.observe(masses)
-        if agent is not None and isinstance(self.policy, WorkflowAwarePolicy):
+        if advance and agent is not None and isinstance(self.policy, WorkflowAwarePolicy):
             self.policy.ran(agent)
 
     def _state(self, key: Hashable, item: _Item) -> ItemState:
@@ -90,11 +92,14 @@ class CachePriorities:
 
     def apply(self) -> None:
         """Write every tracked item's priority into the stores and the pool; forget items that
-        every store has evicted and contexts whose blocks were all reused for other content."""
-        now = self.clock
+        every store has evicted and contexts whose blocks were all reused for other content. An
+        image recorded since the last apply is kept even if no store holds it yet (a plugin records
+        a step's images before it stores them)."""
+        now, since = self.clock, self._applied_at
+        self._applied_at = now
         for key, item in list(self.images.items()):
             held = [s for s in self.stores if key in s.index]
-            if not held and (self.lower is None or not self.lower.holds(key)):
+            if not held and item.last_use <= since and (self.lower is None or not self.lower.holds(key)):
                 del self.images[key]
                 if self.activity is not None:
                     self.activity.forget(key)

@@ -1,0 +1,65 @@
+"""The transfer engine of the tiers: KV loaded into pool slots layer by layer, exactly where a
+plain indexed write puts it, every layer in place when its wait returns; bad loads refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from samcache.tiers.transfer import TransferEngine
+
+
+def _caches(layers, blocks, bs, heads, dim, dtype=torch.float32):
+    shape = (layers, blocks, bs, heads, dim)
+    return torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 5), blocks=st.integers(1, 6), bs=st.sampled_from([1, 4, 16]), n=st.integers(0, 40),
+       seed=st.integers(0, 2**31 - 1), threads=st.integers(1, 3), half=st.booleans())
+def test_load_puts_every_row_where_an_indexed_write_does(layers, blocks, bs, n, seed, threads, half):
+    rng = np.random.default_rng(seed)
+    rows = blocks * bs
+    n = min(n, rows)
+    dtype = torch.bfloat16 if half else torch.float32
+    k, v = _caches(layers, blocks, bs, 2, 8, dtype)
+    slots = rng.permutation(rows)[:n]
+    if n > 3:  # runs of consecutive slots, as a sequence's blocks give
+        slots[: n // 2] = np.sort(slots[: n // 2])
+    kv = torch.from_numpy(rng.standard_normal((layers, 2, n, 2, 8))).to(torch.float64)
+    want_k, want_v = k.clone(), v.clone()
+    flat = (layers, rows, 2, 8)
+    want_k.view(flat)[:, torch.from_numpy(slots)] = kv[:, 0].to(dtype)
+    want_v.view(flat)[:, torch.from_numpy(slots)] = kv[:, 1].to(dtype)
+    engine = TransferEngine(k, v, num_threads=threads)
+    load = engine.load(kv, slots)
+    for layer in range(layers):
+        load.wait(layer)  # this layer is complete now, whatever the later ones are doing
+        torch.testing.assert_close(k[layer], want_k[layer], equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(v[layer], want_v[layer], equal_nan=True, rtol=0, atol=0)
+    load.release()
+    load.release()  # idempotent
+    assert load.copy_seconds >= 0 and engine.stats()["jobs"] == 1
+
+
+def test_bad_loads_are_refused():
+    k, v = _caches(2, 2, 4, 1, 4)
+    engine = TransferEngine(k, v)
+    kv = torch.zeros(2, 2, 3, 1, 4)
+    with pytest.raises(ValueError, match="kv must be"):
+        engine.load(kv, np.array([0, 1]))
+    with pytest.raises(ValueError, match="outside|must be in"):
+        engine.load(kv, np.array([0, 1, 8]))
+    with pytest.raises(ValueError, match="distinct"):
+        engine.load(kv, np.array([0, 1, 1]))
+    load = engine.load(kv, np.array([5, 6, 7]))
+    with pytest.raises(ValueError, match="outside the load"):
+        load.wait(2)
+    load.release()
+    with pytest.raises(ValueError, match="same shape"):
+        TransferEngine(k, v[:1])
+    with pytest.raises(ValueError, match="num_threads"):
+        TransferEngine(k, v, num_threads=0)
