@@ -10,6 +10,9 @@ Configurations, each its own engine over the same checkpoint and trace:
 - ``+disk-fp8`` / ``+disk-int8`` / ``+disk-lossless``: demoted straight to local disk in that
   encoding (no host tier), to isolate the encoding's cost and bytes.
 
+A tier hit loads into the turn's sequence in a worker thread, layer by layer; ``load`` is the
+worker's time and ``hidden`` the share of it the step did not wait for.
+
 Fidelity is the next-token KL and top-1 agreement against a full prefill, on every
 ``--fidelity-every``-th turn. Then the shared tier: two engines split the turns (even / odd)
 alone, and again over one Mooncake Store (a local ``mooncake_master``): pages one computed, the
@@ -37,7 +40,7 @@ from samcache.workloads import make_trace
 
 def _engine(model, args, **kw) -> SAMcacheEngine:
     return SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=args.pool_mib << 20,
-                          prefix_cache=False, **kw)
+                          prefix_cache=False, recompute_tracks=args.recompute_tracks, **kw)
 
 
 def _page_bytes(model, trace, args) -> int:
@@ -56,6 +59,7 @@ def run_config(name: str, engine: SAMcacheEngine, turns, args) -> dict:
         m = r.metrics
         rows.append({"ttft_s": m.ttft_s, "images": m.images, "hits": m.image_kv_hits, "host": m.image_kv_host_hits,
                      "disk": m.image_kv_disk_hits, "remote": m.image_kv_remote_hits,
+                     "load_s": m.tier_load_s, "load_wait_s": m.tier_load_wait_s,
                      "kl": m.fidelity.kl if m.fidelity else None,
                      "top1": m.fidelity.top1_agree if m.fidelity else None})
     engine.check_invariants()
@@ -71,7 +75,10 @@ def run_config(name: str, engine: SAMcacheEngine, turns, args) -> dict:
         "hit_rate_by_tier": {t: sum(x[t] for x in warm) / images for t in ("host", "disk", "remote")},
         "kl_median": statistics.median(kls) if kls else None, "kl_max": max(kls) if kls else None,
         "top1_agree": sum(top1) / len(top1) if top1 else None,
+        # Worker time loading tier hits layer by layer, and the share the steps did not wait for.
+        "load_s": sum(x["load_s"] for x in warm), "load_wait_s": sum(x["load_wait_s"] for x in warm),
     }
+    out["load_hidden"] = 1 - out["load_wait_s"] / out["load_s"] if out["load_s"] > 0 else None
     lower = engine.lower_tiers
     if lower is not None and lower.disk is not None:
         out["disk_bytes"] = lower.disk.used_bytes
@@ -95,6 +102,9 @@ def main() -> None:
     ap.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
                     help="also run two instances alone and over one Mooncake store")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--recompute-tracks", default="both", choices=("both", "heads"),
+                    help="'both': track 2 scores the spliced keys first, so a tier hit loads in full before the "
+                         "forward; 'heads': it loads layer by layer during the forward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
@@ -134,6 +144,8 @@ def main() -> None:
         ratio = f"  {base['median_ttft_s'] / r['median_ttft_s']:.2f}x vs device-only" if base else ""
         kl = f"  KL median {r['kl_median']:.2e} max {r['kl_max']:.2e} top1 {r['top1_agree']:.0%}" if r["kl_median"] is not None else ""
         disk = f"  disk {r['disk_bytes'] / 2**20:.1f} MiB for {r['disk_items']} pages" if "disk_bytes" in r else ""
+        if r["load_hidden"] is not None:
+            disk += f"  load {1000 * r['load_s']:.1f} ms, {r['load_hidden']:.0%} hidden"
         print(f"{r['config']:15s} median TTFT {1000 * r['median_ttft_s']:7.1f} ms  hits {r['hit_rate']:.0%} "
               f"{ {k: f'{v:.0%}' for k, v in r['hit_rate_by_tier'].items()} }{ratio}{kl}{disk}")
     if shared:
