@@ -206,3 +206,28 @@ def test_workflow_prefetch_brings_the_next_agents_images_up_a_tier(model, tmp_pa
     assert calls == [(None, False)]
     engine.lower_tiers.close()
     engine.check_invariants()
+
+
+def test_host_tier_spills_the_lowest_priority_first(tmp_path):
+    ns = Namespace("m", "t")
+    keys = [ns.key(hash_bytes(bytes([i]))) for i in range(4)]
+    kv = torch.randn(2, 2, 10, 1, 8)
+    check = ((1, 2, 4), 10, 2)
+    tiers = LowerTiers(host_bytes=kv.numel() * 4 * 2, disk=DiskTier(tmp_path, 1 << 20, qtype=None))
+    priority = {keys[0]: 5, keys[1]: -3, keys[2]: 0, keys[3]: -9}
+    tiers.priority_of = priority.__getitem__
+    for k in keys[:3]:
+        tiers.demote(ns, k, kv, position=1, check=check)
+    assert tiers.holds(keys[0]) and keys[1] in tiers.disk  # the oldest has the highest priority: it stays
+    assert [k for k in keys[:3] if k in tiers._host] == [keys[0], keys[2]]
+    tiers.demote(ns, keys[3], kv, position=1, check=check)  # the newcomer is the lowest: straight down
+    assert keys[3] in tiers.disk and keys[3] not in tiers._host
+    tiers.priority_of = None  # plain LRU: the least recently used goes
+    tiers.demote(ns, keys[1], kv, position=1, check=check)
+    assert keys[0] not in tiers._host and keys[0] in tiers.disk
+
+
+def test_engine_demotes_by_its_policy(model, tmp_path):
+    engine = _small_store({"host_kv_cache_bytes": 64 << 20, "eviction_policy": "workflow"}, model)
+    assert engine.lower_tiers.priority_of == engine.priorities.priority_of
+    assert _small_store({"host_kv_cache_bytes": 64 << 20}, model).lower_tiers.priority_of is None

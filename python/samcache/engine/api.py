@@ -305,6 +305,8 @@ class SAMcacheEngine:
         self.priorities = (None if isinstance(policy, LRUPolicy) else
                            CachePriorities(policy, self.pool, [self.image_kv_store.entries, self.vit_store],
                                            lower=self.lower_tiers))
+        if self.priorities is not None and self.lower_tiers is not None:
+            self.lower_tiers.priority_of = self.priorities.priority_of  # demotion order from the policy
         self.prefetch_horizon = check_int("prefetch_horizon", prefetch_horizon, 0)
         self.seed = seed
         self._turns = 0

@@ -25,6 +25,7 @@ import numpy as np
 
 from samcache.block_pool import BlockPool
 from samcache.policies import AttentionActivity, AttentionAwarePolicy, EvictionPolicy, ItemState, WorkflowAwarePolicy
+from samcache.policies.base import PRIORITY_MIN
 
 
 @dataclass
@@ -138,6 +139,12 @@ class CachePriorities:
         items = [self._state(key, item) for key, item in self.images.items()]
         items += [self._state(("context", a), item) for a, item in self.contexts.items()]
         return self.policy.prefetch(items, horizon)
+
+    def priority_of(self, key: Hashable) -> int:
+        """An image's priority now (the lowest for one the policy does not track): what orders
+        demotion in the tiers below the pool."""
+        item = self.images.get(key)
+        return PRIORITY_MIN if item is None else self.policy.priority(self._state(key, item), self.clock)
 
     def origin(self, key: Hashable) -> Any:
         """An image's (namespace, check record) as last recorded; None if unknown."""

@@ -27,7 +27,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +83,9 @@ class LowerTiers:
         self._host_used = 0
         self._lock = threading.Lock()
         self._inflight: dict[ContentKey, Future] = {}
+        # Which host item spills to disk first: the lowest priority (then least recently used)
+        # when the engine's eviction policy sets this (CachePriorities.priority_of), else LRU.
+        self.priority_of: Callable[[ContentKey], int] | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "remote_hits": 0, "misses": 0, "to_disk": 0,
                       "dropped": 0, "published": 0, "prefetched": 0, "prefetch_seconds": 0.0,
@@ -100,9 +103,10 @@ class LowerTiers:
 
     def _to_host(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict, *,
                  spill_self: bool) -> bool:
-        """Put an item in the host tier, spilling the least recently used ones to disk; an item
-        bigger than the host tier goes straight down if ``spill_self`` (a demotion), else nowhere
-        (a prefetch: it is on disk already). True if the host tier now holds it."""
+        """Put an item in the host tier, spilling others to disk (lowest priority first, then least
+        recently used); an item bigger than the host tier goes straight down if ``spill_self`` (a
+        demotion), else nowhere (a prefetch: it is on disk already, and its worker thread leaves
+        the policy alone: plain LRU). True if the host tier now holds it."""
         if self.pin_memory:
             kv = kv.pin_memory()
         size = kv.numel() * kv.element_size()
@@ -118,10 +122,16 @@ class LowerTiers:
                     self._host_used -= old.kv.numel() * old.kv.element_size()
                 self._host[key] = _HostItem(namespace, kv, meta)
                 self._host_used += size
+                rank = self.priority_of if spill_self else None
                 while self._host_used > self.host_bytes:
-                    k, item = self._host.popitem(last=False)
+                    if rank is None:
+                        k, item = self._host.popitem(last=False)
+                    else:  # the order of _host is least recently used first: ties go by it
+                        k = min(enumerate(self._host), key=lambda ik: (rank(ik[1]), ik[0]))[1]
+                        item = self._host.pop(k)
                     self._host_used -= item.kv.numel() * item.kv.element_size()
                     spill.append((k, item))
+                held = key in self._host
         for k, item in spill:  # disk writes outside the lock
             written = self.disk is not None and self.disk.put(item.namespace, k, item.kv, item.meta)
             with self._lock:
