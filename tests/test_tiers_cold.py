@@ -181,3 +181,20 @@ def test_disk_tier_survives_a_restart_in_recency_order(tmp_path):
     assert torch.equal(again.get(NS, key(2)).kv, tier.get(NS, key(2)).kv)
     assert again.put(NS, key(9), kv_tensor(tokens=4000)) is False  # larger than the whole tier
     assert again.stats()["rejected"] == 1
+
+
+def test_tensor_items_round_trip_and_refuse_damage():
+    from samcache.tiers.cold import decode_tensors, encode_tensors
+
+    ns, key = Namespace("m", "t"), Namespace("m", "t").key(hash_bytes(b"vit"))
+    tensors = [torch.randn(12, 8), torch.randn(12, 8).to(torch.bfloat16), torch.zeros(0, 8)]
+    data = encode_tensors(tensors, ns, key, meta={"check": [1, 2, 4]})
+    got, meta = decode_tensors(data, ns, key)
+    assert meta == {"check": [1, 2, 4]} and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, tensors))
+    with pytest.raises(ForeignItem):
+        decode_tensors(data, Namespace("m", "u"), key)
+    for bad in (data[:-3], data[:-1] + bytes([data[-1] ^ 1]), b"SAMTS" + data[5:12], b"junk"):
+        with pytest.raises(ColdFormatError):
+            decode_tensors(bad, ns, key)
+    with pytest.raises(TypeError):
+        encode_tensors([torch.zeros(3, dtype=torch.int64)], ns, key)

@@ -1,6 +1,6 @@
 """The shared tier on a real Mooncake Store (``mooncake_master`` started here on loopback ports):
 items round-trip, keys are namespaced, damaged items are removed, an unreachable master fails
-fast, and two engine processes share image KV: what one computed, the other reuses."""
+fast, and two engine processes share image KV and ViT outputs: what one computed, the other reuses."""
 
 from __future__ import annotations
 
@@ -103,6 +103,8 @@ def test_two_engine_processes_share_image_kv_through_the_store(master, tiny_chec
         msgs = [{"role": "system", "content": "Reader, another system prompt."}, user_message([shot], "Describe.")]
         r = reader.chat(messages=msgs, max_new_tokens=4, ignore_eos=True)
         assert r.metrics.image_kv_remote_hits == 1
+        # Its ViT output too (the recompute rows need it): fetched, not encoded again.
+        assert r.metrics.vit_remote_hits == 1 and r.metrics.vit_calls == 0
         # The same as an engine that computed the image itself in an earlier turn and reused it here.
         own = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20)
         own.chat(messages=[{"role": "system", "content": "Publisher."}, user_message([shot], "Describe.")],

@@ -305,13 +305,21 @@ class Executor:
         outputs ``options.store_vit`` keeps (keyed by tenant too: a hit would tell one tenant,
         through its TTFT and metrics, that another has sent this image)."""
         namespace = options.vit_namespace or namespace
+        lower = self.image_kv_store.lower
+        remote = lower.remote if lower is not None and options.use_vit else None
         missing = []
         for i in image_indices:
             if i in vit:
                 continue
             span = prompt.images[i]
-            hit = (self.vit_store.get(namespace.key(span.image.content), check=span.image.grid)
-                   if options.use_vit else None)
+            key = namespace.key(span.image.content)
+            hit = self.vit_store.get(key, check=span.image.grid) if options.use_vit else None
+            if hit is None and remote is not None:  # another instance may have encoded it
+                hit = self._remote_vit(remote, namespace, key, span)
+                if hit is not None:
+                    m.vit_remote_hits += 1
+                    if options.store_vit:
+                        self.vit_store.put(key, hit, check=span.image.grid)
             if hit is not None:
                 vit[i] = hit
                 m.vit_hits += 1
@@ -331,6 +339,21 @@ class Executor:
             m.vit_calls += 1
             if options.use_vit and options.store_vit:
                 self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
+            if remote is not None and options.store_vit:  # what this instance encoded, others reuse
+                remote.put_tensors(namespace, namespace.key(span.image.content), "vit", [out[0], *out[1]],
+                                   {"check": [int(v) for v in span.image.grid]})
+
+    def _remote_vit(self, remote, namespace: Namespace, key, span) -> tuple | None:
+        """An image's ViT output from the shared store, if its record (patch grid) and shape match."""
+        got = remote.get_tensors(namespace, key, "vit")
+        if got is None:
+            return None
+        tensors, meta = got
+        r = self.runner
+        if (meta.get("check") != [int(v) for v in span.image.grid] or len(tensors) != 1 + r.deepstack_layers
+                or tuple(tensors[0].shape) != (span.length, r.hidden_size)):
+            return None
+        return tensors[0].to(r.device), tuple(t.to(r.device) for t in tensors[1:])
 
     def _image_rows(self, prompt: Prompt, index: np.ndarray):
         """For each image with tokens among the (sorted) rows ``index``: (image, lo, hi, offsets),

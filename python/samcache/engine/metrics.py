@@ -34,6 +34,7 @@ class TurnMetrics:
     images: int = 0
     vit_calls: int = 0  # images run through the vision tower
     vit_hits: int = 0  # images whose ViT output came from the cache
+    vit_remote_hits: int = 0  # of those: from the shared store (another instance encoded it)
     image_kv_hits: int = 0
     image_kv_misses: int = 0
     image_kv_host_hits: int = 0  # of the hits: brought back from host memory (exact)

@@ -205,4 +205,72 @@ def decode(data: bytes, namespace: Namespace, key: ContentKey, *, device: str | 
     return kv.contiguous().to(device)
 
 
-__all__ = ["MAGIC", "QTYPES", "VERSION", "ColdFormatError", "Encoded", "ForeignItem", "decode", "encode", "read_header"]
+# ---- plain tensors (ViT outputs): lossless, the same framing and checks ------------------------
+TENSORS_MAGIC = b"SAMTS\x00\x01\n"
+
+
+def encode_tensors(tensors: list[torch.Tensor], namespace: Namespace, key: ContentKey, *,
+                   meta: dict | None = None) -> bytes:
+    """The stored form of a few tensors of one item (e.g. an image's ViT output and its DeepStack
+    features): raw little-endian values, zstd, a JSON header with their shapes and dtypes, the
+    namespace and key, ``meta``, and an xxh3-128 over header and payload."""
+    if not isinstance(namespace, Namespace) or not isinstance(key, ContentKey):
+        raise TypeError("namespace must be a samcache.Namespace and key a ContentKey")
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.dtype in _DTYPES.values() for t in tensors):
+        raise TypeError("tensors must be a non-empty list of float32, float16 or bfloat16 tensors")
+    parts = [t.detach().cpu().contiguous() for t in tensors]
+    body = b"".join(p.view(torch.uint8).numpy().tobytes() for p in parts)
+    payload = _codecs()[0].compress(body)
+    header = {"version": VERSION, "namespace": namespace.digest.hex(), "key": key.digest.hex(),
+              "shapes": [list(p.shape) for p in parts], "dtypes": [str(p.dtype).removeprefix("torch.") for p in parts],
+              "payload_bytes": len(payload), "body_bytes": len(body), "meta": meta or {}}
+    header["checksum"] = _checksum(header, payload)
+    head = json.dumps(header, sort_keys=True).encode()
+    if len(head) > _HEADER_LIMIT:
+        raise ValueError(f"the header is too large ({len(head)} bytes, at most {_HEADER_LIMIT})")
+    return TENSORS_MAGIC + struct.pack("<I", len(head)) + head + payload
+
+
+def decode_tensors(data: bytes, namespace: Namespace, key: ContentKey) -> tuple[list[torch.Tensor], dict]:
+    """The tensors and meta of :func:`encode_tensors`' bytes; ``ColdFormatError`` if damaged or
+    truncated, ``ForeignItem`` if made for another namespace or key."""
+    data = bytes(data)
+    if len(data) < len(TENSORS_MAGIC) + 4 or not data.startswith(TENSORS_MAGIC):
+        raise ColdFormatError("not a samcache tensor item (bad magic or truncated)")
+    (n,) = struct.unpack_from("<I", data, len(TENSORS_MAGIC))
+    start = len(TENSORS_MAGIC) + 4
+    if n > _HEADER_LIMIT or start + n > len(data):
+        raise ColdFormatError("tensor item header is truncated or too long")
+    try:
+        header = json.loads(data[start:start + n].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ColdFormatError(f"tensor item header is not valid JSON: {e}") from None
+    shapes, dtypes = header.get("shapes") if isinstance(header, dict) else None, header.get("dtypes") if isinstance(header, dict) else None
+    if (not isinstance(header, dict) or header.get("version") != VERSION or not isinstance(shapes, list)
+            or not isinstance(dtypes, list) or len(shapes) != len(dtypes) or not shapes
+            or not all(d in _DTYPES for d in dtypes)
+            or not all(isinstance(s, list) and all(isinstance(v, int) and v >= 0 for v in s) for s in shapes)
+            or not isinstance(header.get("meta"), dict) or not isinstance(header.get("body_bytes"), int)):
+        raise ColdFormatError("tensor item header has missing or inconsistent fields")
+    if header.get("namespace") != namespace.digest.hex() or header.get("key") != key.digest.hex():
+        raise ForeignItem("tensor item belongs to another namespace or content key")
+    payload = data[start + n:]
+    if len(payload) != header.get("payload_bytes") or _checksum(header, payload) != header.get("checksum"):
+        raise ColdFormatError("tensor item is truncated or does not match its checksum")
+    try:
+        body = _codecs()[1].decompress(payload, max_output_size=header["body_bytes"])
+    except zstandard.ZstdError as e:
+        raise ColdFormatError(f"tensor item payload does not decompress: {e}") from None
+    sizes = [int(np.prod(s, dtype=np.int64)) * torch.finfo(_DTYPES[d]).bits // 8 for s, d in zip(shapes, dtypes)]
+    if sum(sizes) != len(body):
+        raise ColdFormatError("tensor item body has the wrong size for its shapes")
+    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+    out, at = [], 0
+    for s, d, size in zip(shapes, dtypes, sizes):
+        out.append(raw[at:at + size].view(_DTYPES[d]).reshape(s).clone())
+        at += size
+    return out, header["meta"]
+
+
+__all__ = ["MAGIC", "QTYPES", "TENSORS_MAGIC", "VERSION", "ColdFormatError", "Encoded", "ForeignItem", "decode",
+           "decode_tensors", "encode", "encode_tensors", "read_header"]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, encode, read_header
+from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors, read_header
 from samcache.tiers.disk import StoredKV
 
 
@@ -176,6 +176,34 @@ class RemoteTier:
             return None
         self.stats["hits"] += 1
         return StoredKV(kv, meta)
+
+    def put_tensors(self, namespace: Namespace, key: ContentKey, kind: str, tensors: list[torch.Tensor],
+                    meta: dict | None = None) -> bool:
+        """Publish an item of plain tensors (e.g. kind ``"vit"``: an image's ViT output), lossless."""
+        name = self.key_of(namespace, key, kind)
+        if self.store.exists(name):
+            return True
+        ok = self.store.put(name, encode_tensors(tensors, namespace, key, meta=meta))
+        self.stats["puts" if ok else "refused"] += 1
+        return ok
+
+    def get_tensors(self, namespace: Namespace, key: ContentKey, kind: str) -> tuple[list[torch.Tensor], dict] | None:
+        name = self.key_of(namespace, key, kind)
+        data = self.store.get(name)
+        if data is None:
+            self.stats["misses"] += 1
+            return None
+        try:
+            got = decode_tensors(data, namespace, key)
+        except ForeignItem:
+            self.stats["misses"] += 1
+            return None
+        except ColdFormatError:
+            self.store.remove(name)
+            self.stats["dropped"] += 1
+            return None
+        self.stats["hits"] += 1
+        return got
 
     def __contains__(self, item: tuple[Namespace, ContentKey]) -> bool:
         return self.store.exists(self.key_of(*item))
