@@ -141,3 +141,34 @@ def test_the_dense_token_budget_holds_the_longest_replies(tmp_path):
                                               evidence=True)
                               + "<|im_end|>", add_special_tokens=False)["input_ids"]) for i in range(200))
         assert longest <= vqa.dense_token_budget(n), (n, longest)
+
+
+def test_deepening_a_checkpoint_keeps_its_outputs(tmp_path):
+    import shutil
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from samcache.engine.loading import load_processor
+    from samcache.models import build_tiny_model, model_class
+    from samcache.tasks.training import _chat, deepen_checkpoint
+
+    src = build_tiny_model("qwen2_5_vl", tmp_path / "a", seed=3, **SIZES)
+    shutil.copytree(src, tmp_path / "b")
+    deepen_checkpoint(tmp_path / "b", 2)
+    ex = next(iter(vqa.examples("test", 1, num_images=2, size=(84, 84))))
+    processor = load_processor(src)
+    chat, images = _chat(vqa.messages(ex, answer=False))
+    enc = processor(text=[processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)],
+                    images=[Image.fromarray(np.asarray(i)) for i in images], return_tensors="pt")
+    logits = []
+    for path in (tmp_path / "a", tmp_path / "b"):
+        model = model_class("qwen2_5_vl").from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(**enc).logits)
+    deep = model_class("qwen2_5_vl").from_pretrained(tmp_path / "b")
+    assert deep.config.text_config.num_hidden_layers == SIZES["num_hidden_layers"] + 2
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="extra"):
+        deepen_checkpoint(tmp_path / "b", 0)

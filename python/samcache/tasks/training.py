@@ -57,7 +57,8 @@ class TrainConfig:
     ``evidence``: dense replies repeat the part of the description that holds the answer before
     it, keys first (:func:`samcache.tasks.visual_qa.evidence_line`);
     ``init_from``: an earlier run to continue (its weights, and the train examples after those it
-    saw; set ``vision_steps=0``).
+    saw; set ``vision_steps=0``); ``deepen``: decoder layers added on top of that run's
+    (:func:`deepen_checkpoint`).
 
     Why dense by default, and 84x84 images (a 3x3 grid of image tokens, one per cell of the
     task's 3x3 grid): trained on the answers alone, this model stayed at chance on single-image
@@ -80,6 +81,7 @@ class TrainConfig:
     framed: bool = True
     evidence: bool = False
     init_from: str | None = None
+    deepen: int = 0
     dense_eval: bool = True
     kind: str = "gui"
     size: tuple[int, int] = (84, 84)
@@ -306,6 +308,35 @@ def _copy_run(src: pathlib.Path, out: pathlib.Path) -> int:
     return int(last.get("examples_seen", 0)) + int(earlier.get("config", {}).get("first_example", 0))
 
 
+def deepen_checkpoint(path, extra: int) -> None:
+    """Add ``extra`` decoder layers on top of a checkpoint's language model, in place: each a copy
+    of the last layer with its output projections (``o_proj``, ``down_proj``) zeroed, so the
+    model computes exactly what it did (the new layers add nothing to the residual stream) and
+    training gives them work. Why: the 4-layer model describes 4 screenshots right 87% of the time
+    but picks the element a question names out of them only 29% of the time (docs/benchmark.md),
+    a lookup that needs more attention layers, not a better vision tower."""
+    import copy
+
+    from samcache.models import model_class
+
+    check_int("extra", extra, 1)
+    model = model_class("qwen2_5_vl").from_pretrained(path, dtype=torch.float32)
+    text = model.config.text_config
+    layers = model.model.language_model.layers
+    for _ in range(extra):
+        layer = copy.deepcopy(layers[-1])
+        layer.self_attn.layer_idx = len(layers)
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            torch.nn.init.zeros_(proj.weight)
+            if proj.bias is not None:
+                torch.nn.init.zeros_(proj.bias)
+        layers.append(layer)
+    text.num_hidden_layers = len(layers)
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = list(text.layer_types) + [text.layer_types[-1]] * extra
+    model.save_pretrained(path)
+
+
 def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) -> dict:
     """Train from ``config.seed`` and write the checkpoint (float32 safetensors + processor) and
     ``training.json`` (the config and the accuracy curve) to ``out_dir``."""
@@ -329,6 +360,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         build_tiny_model("qwen2_5_vl", out, seed=config.seed, **config.model_sizes)
     else:  # continue an earlier run: its weights, and examples after the ones it saw
         seen = _copy_run(pathlib.Path(config.init_from), out)
+        if config.deepen:
+            deepen_checkpoint(out, config.deepen)
     model = model_class("qwen2_5_vl").from_pretrained(out, dtype=torch.float32).train()
     processor = load_processor(out)
     vision_curve = train_vision(model, processor, config, progress=progress) if config.vision_steps else []
@@ -400,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of the vision stage (0: none)")
     parser.add_argument("--init", default=None, metavar="RUN",
                         help="continue from this training run's weights (use with --vision-steps 0)")
+    parser.add_argument("--deepen", type=int, default=0, metavar="N",
+                        help="with --init: add N decoder layers on top (zero output projections: same outputs)")
     parser.add_argument("--evidence", action="store_true",
                         help="dense replies repeat the element that holds the answer before answering")
     parser.add_argument("--answer-weight", type=float, default=TrainConfig.answer_weight,
@@ -410,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, eval_examples=args.eval_examples, threads=args.threads,
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
-                         answer_weight=args.answer_weight, init_from=args.init, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
+                         answer_weight=args.answer_weight, init_from=args.init, deepen=args.deepen, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
                          size=tuple(args.image_size))
     if args.images:
         config.curriculum = tuple((n, 1.0) for n in args.images)
