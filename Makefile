@@ -18,7 +18,7 @@ venv: .venv/.ready
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
 	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
-	  "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
@@ -80,13 +80,15 @@ sglang-plugin: .venv-sglang/.samcache
 	  assert any(p.value.startswith('samcache.') for p in e(group='sglang.srt.plugins')), 'plugin not registered'"
 	touch $@
 
-# A C++ compiler, header-only xxHash and GoogleTest come from Debian; installed only when missing.
+# A C++ compiler, header-only xxHash, GoogleTest, libibverbs (Mooncake's client needs it even over TCP)
+# and redis-server (the Redis tier's tests) come from Debian; installed only when missing.
 sysdeps:
 	@missing=""; \
 	command -v c++ >/dev/null || missing="$$missing g++"; \
 	[ -f /usr/include/xxhash.h ] || [ -n "$$SAMCACHE_XXHASH_INCLUDE" ] || missing="$$missing libxxhash-dev"; \
 	[ -f /usr/include/gtest/gtest.h ] || missing="$$missing libgtest-dev"; \
 	ldconfig -p | grep -q 'libibverbs.so.1 ' || missing="$$missing libibverbs1"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

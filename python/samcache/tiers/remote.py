@@ -115,6 +115,58 @@ class MooncakeStore(RemoteStore):
             self._store.close()
 
 
+class RedisStore(RemoteStore):
+    """A Redis server as the shared store (``url``: ``redis://host:port/db``): one key per item,
+    written once (``SET NX``), batches in one round trip (``MGET``, a pipeline of ``EXISTS``).
+    The simple second backend (LMCache deployments run it); no zero-copy, and Redis keeps every
+    item in its own memory (bound it with ``maxmemory`` and an eviction policy on the server)."""
+
+    def __init__(self, url: str, *, timeout: float = 3.0) -> None:
+        try:
+            import redis
+        except ImportError:
+            raise RemoteStoreError("RedisStore needs the redis client: pip install 'samcache[redis]'") from None
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must be redis://host:port/db (or rediss://, unix://), got {url!r}")
+        self._errors = redis.RedisError
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            self._client.ping()
+        except redis.RedisError as e:
+            raise RemoteStoreError(f"cannot reach Redis at {url}: {e}") from None
+        self.url = url
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as e:
+            raise RemoteStoreError(f"Redis {what} failed: {e}") from None
+
+    def put(self, key: str, data: bytes) -> bool:
+        return bool(self._call("SET", self._client.set, key, bytes(data), nx=True))
+
+    def get(self, key: str) -> bytes | None:
+        return self._call("GET", self._client.get, key)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call("EXISTS", self._client.exists, key))
+
+    def remove(self, key: str) -> bool:
+        return bool(self._call("DEL", self._client.delete, key))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return list(self._call("MGET", self._client.mget, list(keys))) if keys else []
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+        return [bool(r) for r in self._call("EXISTS", pipe.execute)]
+
+    def close(self) -> None:
+        self._client.close()
+
+
 def _check_reachable(address: str, timeout: float = 3.0) -> None:
     import socket
 
@@ -209,4 +261,4 @@ class RemoteTier:
         return self.store.exists(self.key_of(*item))
 
 
-__all__ = ["MooncakeStore", "RemoteStore", "RemoteStoreError", "RemoteTier"]
+__all__ = ["MooncakeStore", "RedisStore", "RemoteStore", "RemoteStoreError", "RemoteTier"]

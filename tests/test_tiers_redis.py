@@ -1,0 +1,99 @@
+"""The shared tier on a real Redis server (Debian ``redis-server``, started here on a loopback
+port without persistence): items round-trip under namespaced keys, damaged items are removed,
+an unreachable server fails fast, and two engines share image KV and ViT outputs through it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("redis", reason="make test installs the redis client")
+if shutil.which("redis-server") is None:
+    pytest.skip("make test installs Debian's redis-server", allow_module_level=True)
+
+from samcache.hashing import Namespace, hash_bytes  # noqa: E402
+from samcache.tiers import RedisStore, RemoteStoreError, RemoteTier  # noqa: E402
+from samcache.tiers.mooncake_local import free_port  # noqa: E402
+
+NS = Namespace("tiny", tenant="acme")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        for _ in range(100):
+            try:
+                RedisStore(url).close()
+                break
+            except RemoteStoreError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_items_round_trip_under_namespaced_keys(url):
+    store = RedisStore(url)
+    tier = RemoteTier(store, qtype=None)
+    key = NS.key(hash_bytes(b"screenshot"))
+    kv = torch.randn(2, 2, 30, 2, 8)
+    assert tier.put(NS, key, kv, {"position": 3, "check": [1]})
+    assert not store.put(RemoteTier.key_of(NS, key), b"other")  # written once
+    got = tier.get(NS, key)
+    assert torch.equal(got.kv, kv) and got.meta == {"position": 3, "check": [1]}
+    other = Namespace("tiny", tenant="other")
+    assert tier.get(other, other.key(hash_bytes(b"screenshot"))) is None
+    names = [RemoteTier.key_of(NS, key), "samcache/none"]
+    assert store.exists_many(names) == [True, False]
+    assert store.get_many(names)[1] is None and store.get_many([]) == []
+    assert store.remove(names[0]) and not store.exists(names[0])
+    store.close()
+
+
+def test_a_damaged_item_is_removed_and_missed(url):
+    store = RedisStore(url)
+    tier = RemoteTier(store, qtype=None)
+    key = NS.key(hash_bytes(b"damaged"))
+    assert store.put(RemoteTier.key_of(NS, key), b"SAMKV\x00\x01\n" + b"\x00" * 40)
+    assert tier.get(NS, key) is None and tier.stats["dropped"] == 1
+    assert not store.exists(RemoteTier.key_of(NS, key))
+
+
+def test_an_unreachable_server_fails_fast_and_clearly():
+    start = time.perf_counter()
+    with pytest.raises(RemoteStoreError, match="cannot reach Redis"):
+        RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout=1.0)
+    assert time.perf_counter() - start < 10
+    with pytest.raises(ValueError, match="redis://"):
+        RedisStore("127.0.0.1:6379")
+
+
+def test_two_engines_share_image_kv_and_vit_outputs(url, tiny_checkpoints):
+    pytest.importorskip("transformers")
+    from samcache.engine import SAMcacheEngine, screenshot
+    from samcache.engine.prompt import user_message
+
+    model = tiny_checkpoints["qwen2_5_vl"]
+    engines = [SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20,
+                              remote_kv_store=RedisStore(url), cold_kv_qtype=None) for _ in range(2)]
+    shot = screenshot(91, (112, 168))
+    engines[0].chat(messages=[{"role": "system", "content": "First."}, user_message([shot], "Describe.")],
+                    max_new_tokens=1)
+    msgs = [{"role": "system", "content": "Second, another prompt."}, user_message([shot], "Describe.")]
+    r = engines[1].chat(messages=msgs, max_new_tokens=3, ignore_eos=True)
+    assert r.metrics.image_kv_remote_hits == 1 and r.metrics.vit_remote_hits == 1 and r.metrics.vit_calls == 0
+    own = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20)
+    own.chat(messages=[{"role": "system", "content": "First."}, user_message([shot], "Describe.")], max_new_tokens=1)
+    assert own.chat(messages=msgs, max_new_tokens=3, ignore_eos=True).token_ids == r.token_ids
+    for e in engines:
+        e.check_invariants()
