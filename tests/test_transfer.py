@@ -63,3 +63,24 @@ def test_bad_loads_are_refused():
         TransferEngine(k, v[:1])
     with pytest.raises(ValueError, match="num_threads"):
         TransferEngine(k, v, num_threads=0)
+
+
+@pytest.mark.cuda
+def test_cuda_loads_land_layer_by_layer_on_a_side_stream():
+    """On CUDA the load runs on the engine's side stream; wait(l) orders the compute stream after
+    layer l's copy, so a kernel enqueued after it reads the loaded rows."""
+    device = torch.device("cuda")
+    k, v = (t.to(device) for t in _caches(4, 8, 16, 2, 64, torch.bfloat16))
+    engine = TransferEngine(k, v)
+    rng = np.random.default_rng(0)
+    slots = rng.permutation(8 * 16)[:100]
+    kv = torch.randn(4, 2, 100, 2, 64).pin_memory()
+    load = engine.load(kv, slots)
+    index = torch.from_numpy(slots).to(device)
+    for layer in range(4):
+        load.wait(layer)
+        got = k[layer].view(-1, 2, 64).index_select(0, index)  # on the compute stream, after the wait
+        torch.testing.assert_close(got.float().cpu(), kv[layer, 0].to(torch.bfloat16).float(), rtol=0, atol=0)
+    load.release()
+    torch.testing.assert_close(v.view(4, -1, 2, 64)[:, index].float().cpu(), kv[:, 1].to(torch.bfloat16).float(),
+                               rtol=0, atol=0)
