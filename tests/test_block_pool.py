@@ -420,3 +420,23 @@ def test_sequence_ids_stay_positive_and_unique_over_reuse():
         assert s > 0 and s not in seen
         seen.add(s)
         pool.free_sequence(s)
+
+
+def test_prefix_hashes_match_registered_blocks_and_evictions_are_reported():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    ns = Namespace("m", "t")
+    tokens = np.arange(10, dtype=np.int32)
+    seq = pool.new_sequence(ns)
+    pool.append_tokens(seq, tokens)
+    table = pool.block_table(seq)
+    held, has = pool.block_hashes(table)
+    want = pool.prefix_hashes(tokens, namespace=ns)
+    assert want.shape == (2, 16) and has.tolist() == [True, True, False] and (held[:2] == want).all()
+    assert not (pool.prefix_hashes(tokens, namespace=Namespace("m", "u")) == want).all(axis=1).any()  # another tenant
+    assert pool.prefix_hashes(tokens[:3], namespace=ns).shape == (0, 16)
+    pool.free_sequence(seq)  # its two full blocks stay cached, evictable
+    ids, hashes = pool.evict_reporting(5)
+    assert sorted(ids.tolist()) == sorted(table[:2].tolist())
+    assert {bytes(h) for h in hashes} == {bytes(h) for h in want}
+    assert pool.evict_reporting(1)[0].size == 0 and pool.match_prefix(tokens, namespace=ns).size == 0
+    pool.check_invariants()

@@ -231,3 +231,35 @@ def test_engine_demotes_by_its_policy(model, tmp_path):
     engine = _small_store({"host_kv_cache_bytes": 64 << 20, "eviction_policy": "workflow"}, model)
     assert engine.lower_tiers.priority_of == engine.priorities.priority_of
     assert _small_store({"host_kv_cache_bytes": 64 << 20}, model).lower_tiers.priority_of is None
+
+
+def test_evicted_prefix_blocks_come_back_from_host_memory(model):
+    """A pool too small for two agents' contexts: the first agent's blocks are evicted by the
+    second's turn; with the prefix tier they come back, and the tokens equal a roomy engine's."""
+    def role(i):
+        return f"You are agent {i}. " + " ".join(f"rule{i}x{j}" for j in range(150))
+
+    def run(engine):
+        out = []
+        for i in (0, 1, 0):
+            r = engine.chat(messages=[{"role": "system", "content": role(i)}, {"role": "user", "content": "Go."}],
+                            max_new_tokens=3, ignore_eos=True)
+            out.append(r)
+        return out
+
+    probe = make_engine(model)
+    blocks = -(-len(probe.build_prompt([{"role": "system", "content": role(0)}, {"role": "user", "content": "Go."}]))
+               // 16) + 2
+    roomy = run(make_engine(model))
+    tight = run(make_engine(model, num_blocks=int(blocks * 1.5)))
+    tiered_engine = make_engine(model, num_blocks=int(blocks * 1.5), host_prefix_cache_bytes=64 << 20)
+    tiered = run(tiered_engine)
+    assert roomy[2].metrics.prefix_reused_tokens > 0  # the roomy pool kept agent 0's context
+    assert tight[2].metrics.prefix_reused_tokens < roomy[2].metrics.prefix_reused_tokens  # the tight one lost its tail
+    m = tiered[2].metrics
+    assert m.prefix_restored_tokens > 0 and m.prefix_reused_tokens == roomy[2].metrics.prefix_reused_tokens
+    assert tiered[2].token_ids == roomy[2].token_ids  # exact copies: the same tokens
+    assert tiered_engine.executor.prefix_tier.stats["demoted"] > 0
+    tiered_engine.check_invariants()
+    with pytest.raises(ValueError, match="host_prefix_cache_bytes"):
+        make_engine(model, host_prefix_cache_bytes=-1)

@@ -165,6 +165,30 @@ PYBIND11_MODULE(_C, m) {
              if (!h) return py::none();
              return to_bytes(*h);
            })
+      .def("evict_reporting",
+           [](BlockPool& p, int32_t n) {
+             std::vector<BlockId> ids;
+             std::vector<Key128> hashes;
+             {
+               py::gil_scoped_release nogil;
+               p.evict_reporting(n, &ids, &hashes);
+             }
+             return py::make_tuple(to_array(ids),
+                                   py::bytes(reinterpret_cast<const char*>(hashes.data()), hashes.size() * sizeof(Key128)));
+           })
+      .def("prefix_hashes",
+           [](const BlockPool& p, const py::bytes& root, const I32Array& tokens, const I64Array& bounds,
+              const py::bytes& keys) {
+             if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be 1-D");
+             auto spans = spans_from(bounds, keys);
+             const Key128 r = key_from(root);
+             std::vector<Key128> hashes;
+             {
+               py::gil_scoped_release nogil;
+               hashes = p.prefix_hashes(r, tokens.data(), tokens.shape(0), spans.data(), spans.size());
+             }
+             return py::bytes(reinterpret_cast<const char*>(hashes.data()), hashes.size() * sizeof(Key128));
+           })
       .def("block_hashes",
            // Many blocks at once (eviction policies check that recorded blocks still hold what they
            // held): 16 bytes a block (zeros where none) and a mask of the blocks that have a hash.

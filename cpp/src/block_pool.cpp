@@ -186,12 +186,14 @@ bool BlockPool::heap_node_current(const EvictionHeap<BlockId>::Node& node) const
   return m.state == State::kEvictable && m.tick == node.tick && m.priority == node.priority;
 }
 
-bool BlockPool::evict_one() {
+bool BlockPool::evict_one(BlockId* id, Key128* hash) {
   auto node = evictable_.pop([this](const auto& n) {
     return heap_node_current(n) ? EvictionHeap<BlockId>::kCurrent : EvictionHeap<BlockId>::kStale;
   });
   if (!node) return false;
   Block& m = blocks_[node->id];
+  if (id) *id = node->id;
+  if (hash) *hash = m.hash;
   prefix_.erase(m.hash);
   m.cached = false;
   m.has_hash = false;
@@ -208,6 +210,37 @@ int32_t BlockPool::evict(int32_t n) {
   int32_t done = 0;
   while (done < n && evict_one()) ++done;
   return done;
+}
+
+int32_t BlockPool::evict_reporting(int32_t n, std::vector<BlockId>* ids, std::vector<Key128>* hashes) {
+  if (n < 0) throw std::invalid_argument("evict(n) needs n >= 0, got " + str(n));
+  std::lock_guard lock(mu_);
+  int32_t done = 0;
+  BlockId id;
+  Key128 h;
+  while (done < n && evict_one(&id, &h)) {
+    ids->push_back(id);
+    hashes->push_back(h);
+    ++done;
+  }
+  return done;
+}
+
+std::vector<Key128> BlockPool::prefix_hashes(const Key128& root, const int32_t* tokens, int64_t n,
+                                             const ExtraKeySpan* spans, size_t num_spans) const {
+  if (n < 0) throw std::invalid_argument("token count must be >= 0, got " + str(n));
+  std::lock_guard lock(mu_);
+  check_spans(spans, num_spans);
+  std::vector<ExtraKeySpan> sorted(spans, spans + num_spans);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  std::vector<Key128> out;
+  Key128 h = root;
+  for (int64_t bi = 0; bi < n / block_size_; ++bi) {
+    h = hash_block(h, bi * block_size_, tokens + bi * block_size_, sorted);
+    out.push_back(h);
+  }
+  return out;
 }
 
 // ---- appends -----------------------------------------------------------------------------------

@@ -222,6 +222,20 @@ class BlockPool:
         """Evict up to ``n`` unreferenced cached blocks now; returns how many were evicted."""
         return self._pool.evict(_check_int(n, "n", 0))
 
+    def evict_reporting(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``evict(n)``, returning the evicted blocks (int32 [k]) and the prefix hashes they held
+        (uint8 [k, 16]): their KV stays in the cache until the blocks are handed out again."""
+        ids, hashes = self._pool.evict_reporting(_check_int(n, "n", 0))
+        return ids, np.frombuffer(hashes, dtype=np.uint8).reshape(-1, DIGEST_SIZE).copy()
+
+    def prefix_hashes(self, tokens: Any, extra_keys: Iterable[ExtraKey] | None = None,
+                      namespace: Namespace | None = None) -> np.ndarray:
+        """The prefix hash of every full block of ``tokens`` (uint8 [n // block_size, 16]), as the
+        pool would register them; no lookup."""
+        bounds, keys = _spans(extra_keys)
+        raw = self._pool.prefix_hashes(_root(namespace), as_int32_array(tokens, "tokens"), bounds, keys)
+        return np.frombuffer(raw, dtype=np.uint8).reshape(-1, DIGEST_SIZE).copy()
+
     def stats(self) -> dict[str, int]:
         return self._pool.stats()
 

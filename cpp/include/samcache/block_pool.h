@@ -97,6 +97,13 @@ class BlockPool {
   void set_sequence_priority(SeqId seq, int32_t priority);
   // Evicts up to n unreferenced cached blocks now; returns how many.
   int32_t evict(int32_t n);
+  // evict(n), reporting each evicted block and the prefix hash it held: its KV is still in the
+  // cache until the block is handed out again, so a lower tier can copy it first.
+  int32_t evict_reporting(int32_t n, std::vector<BlockId>* ids, std::vector<Key128>* hashes);
+  // The prefix hash of every full block of tokens[0, n), chained from `root` (no lookup): what a
+  // lower tier holding evicted blocks is asked for.
+  std::vector<Key128> prefix_hashes(const Key128& root, const int32_t* tokens, int64_t n,
+                                    const ExtraKeySpan* spans, size_t num_spans) const;
 
   BlockPoolStats stats() const;
   // Throws InvariantViolation describing the first contradiction found.
@@ -140,7 +147,7 @@ class BlockPool {
   BlockId allocate(int32_t priority);
   void release(BlockId block);
   void make_evictable(BlockId block);
-  bool evict_one();
+  bool evict_one(BlockId* id = nullptr, Key128* hash = nullptr);
   Key128 hash_block(const Key128& parent, int64_t block_start, const int32_t* tokens,
                     const std::vector<ExtraKeySpan>& spans) const;
   // Walks the prefix cache; returns matched blocks (and their last hash).

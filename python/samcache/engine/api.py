@@ -49,6 +49,7 @@ from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budge
 from samcache.reuse import RecomputeBudget
 from samcache.stores import ImageKVStore, TensorStore
 from samcache.tiers import DiskTier, LowerTiers, RemoteStore, RemoteTier
+from samcache.tiers.prefix import PrefixTier
 
 
 @dataclass
@@ -197,6 +198,7 @@ class SAMcacheEngine:
         cold_kv_qtype: str | None = "fp8_e4m3",
         remote_kv_store: RemoteStore | None = None,
         prefetch_horizon: int = 2,
+        host_prefix_cache_bytes: int = 0,
     ) -> None:
         if compression_enabled:
             raise ValueError(
@@ -297,8 +299,10 @@ class SAMcacheEngine:
                                            self.runner.block_bytes, lower=self.lower_tiers,
                                            read_kv=self.runner.read_kv)
         self.contexts = ContextTree(self.pool)
+        check_int("host_prefix_cache_bytes", host_prefix_cache_bytes, 0)
+        prefix_tier = PrefixTier(host_prefix_cache_bytes) if host_prefix_cache_bytes and self.use_prefix else None
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
-                                 image_kv_store=self.image_kv_store, contexts=self.contexts)
+                                 image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
         self.eviction_policy = policy
         # Plain LRU is the pool's and the stores' own order: nothing to track or write.

@@ -41,6 +41,7 @@ from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
 from samcache.stores import HeldImage, ImageKVStore, TensorStore
 from samcache.tiers.lower import Fetched
+from samcache.tiers.prefix import PrefixTier
 from samcache.tiers.transfer import LayerLoad, TransferEngine
 
 _LOWEST = -(2**31)
@@ -131,13 +132,15 @@ class Executor:
     prefix cache) and the stores (ViT outputs, image KV)."""
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
-                 image_kv_store: ImageKVStore, contexts: ContextTree | None = None) -> None:
+                 image_kv_store: ImageKVStore, contexts: ContextTree | None = None,
+                 prefix_tier: PrefixTier | None = None) -> None:
         self.runner = runner
         self.pool = pool
         self.processor = processor
         self.vit_store = vit_store
         self.image_kv_store = image_kv_store
         self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
+        self.prefix_tier = prefix_tier  # evicted prefix blocks' KV in host memory, by prefix hash
         # Hits in the tiers below the pool load into the sequence layer by layer (TierLoad).
         self.transfer = (TransferEngine(runner.k_cache, runner.v_cache)
                          if image_kv_store.lower is not None else None)
@@ -173,6 +176,8 @@ class Executor:
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
+                if self.prefix_tier is not None:
+                    adopted = self._restore_prefix(seq, prompt, adopted, self.prefix_space(namespace, options), m)
             layout = self.layout(prompt, namespace)
             held: dict[Any, HeldImage] = {}
             if options.use_image_kv:
@@ -289,6 +294,7 @@ class Executor:
         if need > pool.num_free_blocks():
             raise PromptTooLong(f"the prompt needs {need} more KV blocks but only {pool.num_free_blocks()} are free "
                                 "or evictable")
+        self._demote_for(need)
         exact_until = n if options.approximate_prefix else max(adopted, plan.exact_tokens)
         hash_until = exact_until if options.register_prefix else adopted
         if hash_until > adopted:
@@ -297,6 +303,47 @@ class Executor:
         if n > hash_until:
             res = pool.append_slots(seq, n - hash_until)
             self.runner.copy_on_write(res.copies)
+
+    def _demote_for(self, need: int) -> None:
+        """Before ``need`` blocks are handed out: evict the cached blocks that would go and copy
+        their KV to the prefix tier (the pool would evict them anyway, losing it)."""
+        if self.prefix_tier is None:
+            return
+        short = need - int(self.pool.stats()["free_blocks"])
+        if short <= 0:
+            return
+        ids, hashes = self.pool.evict_reporting(short)
+        if not ids.size:
+            return
+        bs = self.pool.block_size
+        kv = self.runner.read_kv((ids.astype(np.int64)[:, None] * bs + np.arange(bs)).reshape(-1))
+        for i, h in enumerate(hashes):
+            self.prefix_tier.put(h.tobytes(), kv[:, :, i * bs:(i + 1) * bs])
+
+    def _restore_prefix(self, seq: int, prompt: Prompt, adopted: int, space: Namespace, m: TurnMetrics) -> int:
+        """Continue the adopted prefix with the blocks the prefix tier holds for the prompt's next
+        block hashes (exact copies, registered again); the new adopted length."""
+        pool, bs, n = self.pool, self.pool.block_size, len(prompt)
+        hashes = pool.prefix_hashes(prompt.token_ids[: n - 1], prompt.extra_keys(n - 1), namespace=space)
+        found = []
+        for h in hashes[adopted // bs:]:
+            kv = self.prefix_tier.take(h.tobytes())
+            if kv is None:
+                break
+            found.append((h.tobytes(), kv))
+        if not found:
+            return adopted
+        k = len(found)
+        self._demote_for(k)
+        if pool.num_free_blocks() < k:  # no room: back down, prefill as usual
+            for h, kv in found:
+                self.prefix_tier.put(h, kv)
+            return adopted
+        res = pool.append_tokens(seq, prompt.token_ids[adopted: adopted + k * bs], prompt.extra_keys())
+        self.runner.copy_on_write(res.copies)
+        self.runner.write_kv(res.slots, torch.cat([kv for _, kv in found], dim=2))
+        m.prefix_restored_tokens += k * bs
+        return adopted + k * bs
 
     def ensure_vit(self, prompt: Prompt, image_indices: Sequence[int], vit: dict, m: TurnMetrics,
                    options: RequestOptions, namespace: Namespace | None = None) -> None:
@@ -492,6 +539,8 @@ class Executor:
         """Append ``token`` to ``seq`` (hashed into the prefix cache if ``hashed`` and the sequence
         is still exact) at M-RoPE position ``position``: the row a decode step computes."""
         r, pool = self.runner, self.pool
+        if pool.num_tokens(seq) % pool.block_size == 0:
+            self._demote_for(1)  # this token opens a block
         res = pool.append_tokens(seq, [token]) if hashed else pool.append_slots(seq, 1)
         r.copy_on_write(res.copies)
         n = pool.num_tokens(seq)

@@ -40,6 +40,7 @@ class TurnMetrics:
     image_kv_host_hits: int = 0  # of the hits: brought back from host memory (exact)
     image_kv_disk_hits: int = 0  # of the hits: brought back from the disk tier (quantized)
     image_kv_remote_hits: int = 0  # of the hits: from the shared store (another instance computed it)
+    prefix_restored_tokens: int = 0  # of prefix_reused_tokens: blocks brought back from the prefix tier
     tier_load_s: float = 0.0  # worker time loading those hits into the pool, layer by layer
     tier_load_wait_s: float = 0.0  # of which the step waited for (the rest was hidden behind compute)
     kv_bytes: int = 0  # KV of this turn's sequence in the pool
