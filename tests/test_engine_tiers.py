@@ -263,3 +263,78 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(model):
     tiered_engine.check_invariants()
     with pytest.raises(ValueError, match="host_prefix_cache_bytes"):
         make_engine(model, host_prefix_cache_bytes=-1)
+
+
+def test_a_full_disk_drops_the_item_cleanly(tmp_path, monkeypatch):
+    import errno
+
+    import samcache.tiers.disk as disk_module
+
+    ns = Namespace("m", "t")
+    key = ns.key(hash_bytes(b"x"))
+    tiers = LowerTiers(0, disk=DiskTier(tmp_path, 1 << 20, qtype=None))
+
+    class Full:
+        def __init__(self, fd, mode):
+            os.close(fd)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module.os, "fdopen", Full)
+    with pytest.warns(RuntimeWarning, match="cannot write an item"):
+        tiers.demote(ns, key, torch.randn(2, 2, 4, 1, 8), position=0, check=[1])
+    assert tiers.stats["dropped"] == 1 and tiers.disk.stats()["failed"] == 1
+    assert list(tmp_path.iterdir()) == []  # nothing half-written stays
+    assert tiers.fetch(ns, key, [1]) is None  # recomputed, never read
+
+
+def test_concurrent_demotion_fetch_and_prefetch_keep_the_tiers_consistent(tmp_path):
+    """Threads demote, fetch and prefetch the same items at once: the accounting holds and every
+    fetched item is exactly what was demoted under its key (lossless tiers)."""
+    import random
+    import threading
+
+    ns = Namespace("m", "t")
+    keys = [ns.key(hash_bytes(bytes([i]))) for i in range(12)]
+    values = {k: torch.full((2, 2, 8, 1, 8), float(i)) for i, k in enumerate(keys)}
+    item = values[keys[0]].numel() * 4
+    tiers = LowerTiers(host_bytes=3 * item, disk=DiskTier(tmp_path, 1 << 22, qtype=None))
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                k = rng.choice(keys)
+                op = rng.random()
+                if op < 0.45:
+                    tiers.demote(ns, k, values[k], position=1, check=[2])
+                elif op < 0.85:
+                    got = tiers.fetch(ns, k, [2])
+                    if got is not None and not torch.equal(got.kv, values[k]):
+                        errors.append(f"wrong KV for {k}")
+                else:
+                    tiers.prefetch([(ns, rng.choice(keys), [2]) for _ in range(3)])
+                if rng.random() < 0.05:
+                    tiers.check_invariants()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tiers.close()
+    assert errors == []
+    tiers.check_invariants()
+    for k in keys:  # whatever survived is exact
+        got = tiers.fetch(ns, k, [2])
+        assert got is None or torch.equal(got.kv, values[k])

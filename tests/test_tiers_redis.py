@@ -97,3 +97,36 @@ def test_two_engines_share_image_kv_and_vit_outputs(url, tiny_checkpoints):
     assert own.chat(messages=msgs, max_new_tokens=3, ignore_eos=True).token_ids == r.token_ids
     for e in engines:
         e.check_invariants()
+
+
+def test_the_store_going_away_degrades_to_local_tiers(tiny_checkpoints, tmp_path):
+    """Kill the server mid-run: requests go on (computed or from local tiers), errors are counted."""
+    pytest.importorskip("transformers")
+    from samcache.engine import SAMcacheEngine, screenshot
+    from samcache.engine.prompt import user_message
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            RedisStore(url).close()
+            break
+        except RemoteStoreError:
+            time.sleep(0.05)
+    engine = SAMcacheEngine(tiny_checkpoints["qwen2_5_vl"], device="cpu", recompute_budget="uniform",
+                            kv_cache_bytes=16 << 20, remote_kv_store=RedisStore(url, timeout=1.0), cold_kv_qtype=None)
+    shots = [screenshot(100 + i, (112, 168)) for i in range(3)]
+    engine.chat(messages=[user_message([shots[0]], "One.")], max_new_tokens=1)
+    proc.kill()
+    proc.wait(timeout=30)
+    with pytest.warns(RuntimeWarning, match="shared store failed"):
+        for i in (1, 2, 0):
+            r = engine.chat(messages=[{"role": "system", "content": f"Turn {i}."}, user_message([shots[i]], "Go.")],
+                            max_new_tokens=2, ignore_eos=True)
+            assert len(r.token_ids) == 2
+    assert r.metrics.image_kv_hits == 1  # the device store still has it
+    assert engine.lower_tiers.remote.stats["errors"] > 0
+    engine.check_invariants()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ class DiskTier:
         os.chmod(self.path, 0o700)
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recent first
-        self._stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "evictions": 0, "rejected": 0}
+        self._stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "evictions": 0, "rejected": 0, "failed": 0}
         found = sorted((p for p in self.path.glob("*" + SUFFIX) if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
         for p in found:
             self._files[p.name] = p.stat().st_size
@@ -81,11 +82,18 @@ class DiskTier:
                 self._stats["rejected"] += 1
             return False
         tmp = self.path / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(enc.data)
             os.replace(tmp, self.path / name)
+        except OSError as e:  # disk full, gone read-only, ...: the item is not kept, nothing half-written stays
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._stats["failed"] += 1
+            warnings.warn(f"samcache: disk tier {self.path}: cannot write an item ({e}); it is not kept",
+                          RuntimeWarning, stacklevel=2)
+            return False
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -138,6 +146,8 @@ class DiskTier:
         with self._lock:
             self._files.pop(name, None)
             self._stats["dropped"] += 1
+        warnings.warn(f"samcache: disk tier {self.path}: {name} is damaged, truncated or of another format "
+                      "version; deleted, its image is recomputed", RuntimeWarning, stacklevel=3)
 
     def _evict_to(self, bound: int) -> None:
         total = sum(self._files.values())

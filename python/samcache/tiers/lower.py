@@ -231,6 +231,14 @@ class LowerTiers:
                 return True
         return self.disk is not None and key in self.disk
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the host tier's accounting disagrees with what it holds."""
+        with self._lock:
+            total = sum(i.kv.numel() * i.kv.element_size() for i in self._host.values())
+            if total != self._host_used or self._host_used > self.host_bytes:
+                raise AssertionError(f"host tier holds {total} bytes, counts {self._host_used}, "
+                                     f"bound {self.host_bytes}")
+
     @property
     def host_used_bytes(self) -> int:
         with self._lock:

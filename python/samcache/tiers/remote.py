@@ -13,6 +13,7 @@ or a damaged item is never used (a damaged one is removed).
 from __future__ import annotations
 
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -188,7 +189,19 @@ class RemoteTier:
             raise TypeError(f"store must be a RemoteStore, got {type(store).__name__}")
         self.store = store
         self.qtype, self.per_head, self.block_size = qtype, per_head, block_size
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "refused": 0}
+        self.stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "refused": 0, "errors": 0}
+
+    def _safe(self, what: str, fn, *args, default=None):
+        """A store call; if the store fails (gone, timed out), the error is counted, warned about
+        once, and the caller goes on without the shared tier (a miss, or not published)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of the store degrades to local tiers
+            self.stats["errors"] += 1
+            if self.stats["errors"] == 1:
+                warnings.warn(f"samcache: the shared store failed ({what}: {e}); going on with the local tiers",
+                              RuntimeWarning, stacklevel=3)
+            return default
 
     @staticmethod
     def key_of(namespace: Namespace, key: ContentKey, kind: str = "kv") -> str:
@@ -202,17 +215,17 @@ class RemoteTier:
     def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict | None = None) -> bool:
         """Publish an item (a no-op if the store already has it)."""
         name = self.key_of(namespace, key)
-        if self.store.exists(name):
+        if self._safe("exists", self.store.exists, name, default=True):  # there already (or unreachable)
             return True
         data = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size,
                       meta=meta).data
-        ok = self.store.put(name, data)
+        ok = self._safe("put", self.store.put, name, data, default=False)
         self.stats["puts" if ok else "refused"] += 1
         return ok
 
     def get(self, namespace: Namespace, key: ContentKey) -> StoredKV | None:
         name = self.key_of(namespace, key)
-        data = self.store.get(name)
+        data = self._safe("get", self.store.get, name)
         if data is None:
             self.stats["misses"] += 1
             return None
@@ -223,7 +236,7 @@ class RemoteTier:
             self.stats["misses"] += 1
             return None
         except ColdFormatError:
-            self.store.remove(name)
+            self._safe("remove", self.store.remove, name)
             self.stats["dropped"] += 1
             return None
         self.stats["hits"] += 1
@@ -233,15 +246,15 @@ class RemoteTier:
                     meta: dict | None = None) -> bool:
         """Publish an item of plain tensors (e.g. kind ``"vit"``: an image's ViT output), lossless."""
         name = self.key_of(namespace, key, kind)
-        if self.store.exists(name):
+        if self._safe("exists", self.store.exists, name, default=True):
             return True
-        ok = self.store.put(name, encode_tensors(tensors, namespace, key, meta=meta))
+        ok = self._safe("put", self.store.put, name, encode_tensors(tensors, namespace, key, meta=meta), default=False)
         self.stats["puts" if ok else "refused"] += 1
         return ok
 
     def get_tensors(self, namespace: Namespace, key: ContentKey, kind: str) -> tuple[list[torch.Tensor], dict] | None:
         name = self.key_of(namespace, key, kind)
-        data = self.store.get(name)
+        data = self._safe("get", self.store.get, name)
         if data is None:
             self.stats["misses"] += 1
             return None
@@ -251,7 +264,7 @@ class RemoteTier:
             self.stats["misses"] += 1
             return None
         except ColdFormatError:
-            self.store.remove(name)
+            self._safe("remove", self.store.remove, name)
             self.stats["dropped"] += 1
             return None
         self.stats["hits"] += 1
