@@ -116,3 +116,31 @@ def test_two_engine_processes_share_image_kv_through_the_store(master, tiny_chec
         pub.stdin.write("\n")
         pub.stdin.flush()
         pub.wait(timeout=60)
+
+
+def test_the_master_going_away_degrades_to_local_tiers(tmp_path, tiny_checkpoints):
+    """Stop mooncake_master mid-run: requests still succeed, failures are counted, and after one
+    failed publish the tier is skipped instead of costing every request a timeout."""
+    pytest.importorskip("transformers")
+    import time
+
+    from samcache.engine import SAMcacheEngine, screenshot
+    from samcache.engine.prompt import user_message
+
+    master = LocalMooncakeMaster(tmp_path / "master.log").__enter__()
+    store = MooncakeStore(master.master, master.metadata, segment_bytes=32 << 20, buffer_bytes=16 << 20)
+    engine = SAMcacheEngine(tiny_checkpoints["qwen2_5_vl"], device="cpu", recompute_budget="uniform",
+                            kv_cache_bytes=16 << 20, remote_kv_store=store, cold_kv_qtype=None)
+    shots = [screenshot(120 + i, (112, 168)) for i in range(4)]
+    engine.chat(messages=[user_message([shots[0]], "One.")], max_new_tokens=1)
+    master.__exit__(None, None, None)
+    start = time.perf_counter()
+    for i in (1, 2, 3, 0):
+        r = engine.chat(messages=[{"role": "system", "content": f"Turn {i}."}, user_message([shots[i]], "Go.")],
+                        max_new_tokens=2, ignore_eos=True)
+        assert len(r.token_ids) == 2
+    remote = engine.lower_tiers.remote
+    assert r.metrics.image_kv_hits == 1  # the device store still serves what it holds
+    assert remote.stats["errors"] >= 1 and remote.stats["skipped"] >= 1
+    assert time.perf_counter() - start < 4 * 4.0  # not a timeout per request
+    engine.check_invariants()

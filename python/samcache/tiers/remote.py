@@ -13,6 +13,7 @@ or a damaged item is never used (a damaged one is removed).
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -184,24 +185,42 @@ class RemoteTier:
     """KV items of many engine instances in one :class:`RemoteStore`, in the cold encoding."""
 
     def __init__(self, store: RemoteStore, *, qtype: str | None = "fp8_e4m3", per_head: bool = True,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, retry_after_s: float = 30.0) -> None:
         if not isinstance(store, RemoteStore):
             raise TypeError(f"store must be a RemoteStore, got {type(store).__name__}")
+        if not isinstance(retry_after_s, (int, float)) or isinstance(retry_after_s, bool) or retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be a number >= 0, got {retry_after_s!r}")
+        # After a failure (an error, or a put that timed out) the tier is left alone this long:
+        # a store that went away must not cost every request a timeout.
+        self.retry_after_s = float(retry_after_s)
+        self._down_until = 0.0
         self.store = store
         self.qtype, self.per_head, self.block_size = qtype, per_head, block_size
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "refused": 0, "errors": 0}
+        self.stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "refused": 0, "errors": 0, "skipped": 0}
 
     def _safe(self, what: str, fn, *args, default=None):
-        """A store call; if the store fails (gone, timed out), the error is counted, warned about
-        once, and the caller goes on without the shared tier (a miss, or not published)."""
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - any failure of the store degrades to local tiers
-            self.stats["errors"] += 1
-            if self.stats["errors"] == 1:
-                warnings.warn(f"samcache: the shared store failed ({what}: {e}); going on with the local tiers",
-                              RuntimeWarning, stacklevel=3)
+        """A store call; if the store fails (an error, or a put refused after a timeout's worth of
+        waiting) the failure is counted, warned about once, and the tier is skipped for
+        ``retry_after_s``: the caller goes on without it (a miss, or not published)."""
+        now = time.monotonic()
+        if now < self._down_until:
+            self.stats["skipped"] += 1
             return default
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of the store degrades to local tiers
+            self._failed(f"{what}: {e}")
+            return default
+        if what == "put" and not out and time.monotonic() - now > 1.0:  # refused after waiting: unreachable
+            self._failed("put timed out")
+        return out
+
+    def _failed(self, why: str) -> None:
+        self.stats["errors"] += 1
+        self._down_until = time.monotonic() + self.retry_after_s
+        if self.stats["errors"] == 1:
+            warnings.warn(f"samcache: the shared store failed ({why}); going on with the local tiers, retrying "
+                          f"after {self.retry_after_s:g} s", RuntimeWarning, stacklevel=4)
 
     @staticmethod
     def key_of(namespace: Namespace, key: ContentKey, kind: str = "kv") -> str:
