@@ -498,10 +498,12 @@ class Executor:
         frees ``prepared.seq``) and next-token logits. A failed forward step drops the sequence."""
         pre = self.prepare(prompt, namespace, options)
         try:
-            return pre, self.forward([pre.step])[0]
+            logits = self.forward([pre.step])[0]
         except BaseException:
             self.discard_prepared(pre)
             raise
+        self._return_loaded(self._finish_load(pre), pre.namespace)  # nothing registered: they go back down
+        return pre, logits
 
     # ---- stage 3 -------------------------------------------------------------------------------
     def register(self, pre: Prepared) -> None:
