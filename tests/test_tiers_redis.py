@@ -22,20 +22,26 @@ from samcache.tiers.mooncake_local import free_port  # noqa: E402
 NS = Namespace("tiny", tenant="acme")
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def _start_redis(directory) -> tuple[subprocess.Popen, str]:
+    """A redis-server on a free loopback port, without persistence, once it answers."""
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                             "--appendonly", "no", "--dir", str(directory)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            RedisStore(url).close()
+            break
+        except RemoteStoreError:
+            time.sleep(0.05)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    proc, url = _start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        for _ in range(100):
-            try:
-                RedisStore(url).close()
-                break
-            except RemoteStoreError:
-                time.sleep(0.05)
         yield url
     finally:
         proc.terminate()
@@ -105,17 +111,7 @@ def test_the_store_going_away_degrades_to_local_tiers(tiny_checkpoints, tmp_path
     from samcache.engine import SAMcacheEngine, screenshot
     from samcache.engine.prompt import user_message
 
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            RedisStore(url).close()
-            break
-        except RemoteStoreError:
-            time.sleep(0.05)
+    proc, url = _start_redis(tmp_path)
     engine = SAMcacheEngine(tiny_checkpoints["qwen2_5_vl"], device="cpu", recompute_budget="uniform",
                             kv_cache_bytes=16 << 20, remote_kv_store=RedisStore(url, timeout=1.0), cold_kv_qtype=None)
     shots = [screenshot(100 + i, (112, 168)) for i in range(3)]

@@ -22,6 +22,7 @@ import json
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,22 +131,29 @@ def encode(kv: torch.Tensor, namespace: Namespace, key: ContentKey, *, qtype: st
     return Encoded(MAGIC + struct.pack("<I", len(head)) + head + payload, x.numel() * x.element_size())
 
 
-def read_header(data: bytes) -> dict:
-    """The header of an encoded item (checked for magic, version and sane fields), without
-    decoding the payload."""
+def _frame(data: bytes, magic: bytes, what: str) -> tuple[Any, int]:
+    """The JSON header of ``MAGIC | header length | header | payload`` bytes and where the
+    payload starts; ``ColdFormatError`` for a bad magic, a truncated frame or a header that is not
+    JSON."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     data = bytes(data)
-    if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
-        raise ColdFormatError("not a samcache cold-tier item (bad magic or truncated)")
-    (n,) = struct.unpack_from("<I", data, len(MAGIC))
-    start = len(MAGIC) + 4
+    if len(data) < len(magic) + 4 or not data.startswith(magic):
+        raise ColdFormatError(f"not a samcache {what} (bad magic or truncated)")
+    (n,) = struct.unpack_from("<I", data, len(magic))
+    start = len(magic) + 4
     if n > _HEADER_LIMIT or start + n > len(data):
-        raise ColdFormatError("cold-tier item header is truncated or too long")
+        raise ColdFormatError(f"{what} header is truncated or too long")
     try:
-        header = json.loads(data[start:start + n].decode())
+        return json.loads(data[start:start + n].decode()), start + n
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ColdFormatError(f"cold-tier item header is not valid JSON: {e}") from None
+        raise ColdFormatError(f"{what} header is not valid JSON: {e}") from None
+
+
+def read_header(data: bytes) -> dict:
+    """The header of an encoded item (checked for magic, version and sane fields), without
+    decoding the payload."""
+    header, offset = _frame(data, MAGIC, "cold-tier item")
     if not isinstance(header, dict) or header.get("version") != VERSION:
         raise ColdFormatError(f"cold-tier item of format version {header.get('version') if isinstance(header, dict) else '?'}, "
                               f"this samcache reads version {VERSION}")
@@ -156,7 +164,7 @@ def read_header(data: bytes) -> dict:
             or not isinstance(header.get("payload_bytes"), int) or not isinstance(header.get("body_bytes"), int)
             or not isinstance(header.get("meta"), dict)):
         raise ColdFormatError("cold-tier item header has missing or inconsistent fields")
-    header["_offset"] = start + n
+    header["_offset"] = offset
     return header
 
 
@@ -234,17 +242,7 @@ def encode_tensors(tensors: list[torch.Tensor], namespace: Namespace, key: Conte
 def decode_tensors(data: bytes, namespace: Namespace, key: ContentKey) -> tuple[list[torch.Tensor], dict]:
     """The tensors and meta of :func:`encode_tensors`' bytes; ``ColdFormatError`` if damaged or
     truncated, ``ForeignItem`` if made for another namespace or key."""
-    data = bytes(data)
-    if len(data) < len(TENSORS_MAGIC) + 4 or not data.startswith(TENSORS_MAGIC):
-        raise ColdFormatError("not a samcache tensor item (bad magic or truncated)")
-    (n,) = struct.unpack_from("<I", data, len(TENSORS_MAGIC))
-    start = len(TENSORS_MAGIC) + 4
-    if n > _HEADER_LIMIT or start + n > len(data):
-        raise ColdFormatError("tensor item header is truncated or too long")
-    try:
-        header = json.loads(data[start:start + n].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ColdFormatError(f"tensor item header is not valid JSON: {e}") from None
+    header, offset = _frame(data, TENSORS_MAGIC, "tensor item")
     shapes, dtypes = header.get("shapes") if isinstance(header, dict) else None, header.get("dtypes") if isinstance(header, dict) else None
     if (not isinstance(header, dict) or header.get("version") != VERSION or not isinstance(shapes, list)
             or not isinstance(dtypes, list) or len(shapes) != len(dtypes) or not shapes
@@ -254,7 +252,7 @@ def decode_tensors(data: bytes, namespace: Namespace, key: ContentKey) -> tuple[
         raise ColdFormatError("tensor item header has missing or inconsistent fields")
     if header.get("namespace") != namespace.digest.hex() or header.get("key") != key.digest.hex():
         raise ForeignItem("tensor item belongs to another namespace or content key")
-    payload = data[start + n:]
+    payload = bytes(data)[offset:]
     if len(payload) != header.get("payload_bytes") or _checksum(header, payload) != header.get("checksum"):
         raise ColdFormatError("tensor item is truncated or does not match its checksum")
     try:

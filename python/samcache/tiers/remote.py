@@ -243,14 +243,18 @@ class RemoteTier:
         return ok
 
     def get(self, namespace: Namespace, key: ContentKey) -> StoredKV | None:
-        name = self.key_of(namespace, key)
+        return self._fetch(self.key_of(namespace, key),
+                           lambda data: StoredKV(decode(data, namespace, key), read_header(data)["meta"]))
+
+    def _fetch(self, name: str, decode_item):
+        """The item under ``name`` decoded, or None: absent, another namespace's (a miss), or
+        damaged (removed from the store and counted)."""
         data = self._safe("get", self.store.get, name)
         if data is None:
             self.stats["misses"] += 1
             return None
         try:
-            kv = decode(data, namespace, key)
-            meta = read_header(data)["meta"]
+            item = decode_item(data)
         except ForeignItem:  # cannot happen with namespaced keys unless someone wrote it there
             self.stats["misses"] += 1
             return None
@@ -259,7 +263,7 @@ class RemoteTier:
             self.stats["dropped"] += 1
             return None
         self.stats["hits"] += 1
-        return StoredKV(kv, meta)
+        return item
 
     def put_tensors(self, namespace: Namespace, key: ContentKey, kind: str, tensors: list[torch.Tensor],
                     meta: dict | None = None) -> bool:
@@ -272,22 +276,7 @@ class RemoteTier:
         return ok
 
     def get_tensors(self, namespace: Namespace, key: ContentKey, kind: str) -> tuple[list[torch.Tensor], dict] | None:
-        name = self.key_of(namespace, key, kind)
-        data = self._safe("get", self.store.get, name)
-        if data is None:
-            self.stats["misses"] += 1
-            return None
-        try:
-            got = decode_tensors(data, namespace, key)
-        except ForeignItem:
-            self.stats["misses"] += 1
-            return None
-        except ColdFormatError:
-            self._safe("remove", self.store.remove, name)
-            self.stats["dropped"] += 1
-            return None
-        self.stats["hits"] += 1
-        return got
+        return self._fetch(self.key_of(namespace, key, kind), lambda data: decode_tensors(data, namespace, key))
 
     def __contains__(self, item: tuple[Namespace, ContentKey]) -> bool:
         return self.store.exists(self.key_of(*item))
