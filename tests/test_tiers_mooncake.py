@@ -134,13 +134,16 @@ def test_the_master_going_away_degrades_to_local_tiers(tmp_path, tiny_checkpoint
     shots = [screenshot(120 + i, (112, 168)) for i in range(4)]
     engine.chat(messages=[user_message([shots[0]], "One.")], max_new_tokens=1)
     master.__exit__(None, None, None)
-    start = time.perf_counter()
+    took = []
     for i in (1, 2, 3, 0):
+        start = time.perf_counter()
         r = engine.chat(messages=[{"role": "system", "content": f"Turn {i}."}, user_message([shots[i]], "Go.")],
                         max_new_tokens=2, ignore_eos=True)
+        took.append(time.perf_counter() - start)
         assert len(r.token_ids) == 2
     remote = engine.lower_tiers.remote
     assert r.metrics.image_kv_hits == 1  # the device store still serves what it holds
     assert remote.stats["errors"] >= 1 and remote.stats["skipped"] >= 1
-    assert time.perf_counter() - start < 4 * 4.0  # not a timeout per request
+    # The first turn pays the client's timeouts; the later ones skip the store (tens of ms here).
+    assert max(took[1:]) < 2.0, took
     engine.check_invariants()
