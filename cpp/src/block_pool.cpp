@@ -226,14 +226,19 @@ int32_t BlockPool::evict_reporting(int32_t n, std::vector<BlockId>* ids, std::ve
   return done;
 }
 
+std::vector<ExtraKeySpan> BlockPool::sorted_spans(const ExtraKeySpan* spans, size_t n) const {
+  check_spans(spans, n);
+  std::vector<ExtraKeySpan> sorted(spans, spans + n);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  return sorted;
+}
+
 std::vector<Key128> BlockPool::prefix_hashes(const Key128& root, const int32_t* tokens, int64_t n,
                                              const ExtraKeySpan* spans, size_t num_spans) const {
   if (n < 0) throw std::invalid_argument("token count must be >= 0, got " + str(n));
   std::lock_guard lock(mu_);
-  check_spans(spans, num_spans);
-  std::vector<ExtraKeySpan> sorted(spans, spans + num_spans);
-  std::sort(sorted.begin(), sorted.end());
-  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  const std::vector<ExtraKeySpan> sorted = sorted_spans(spans, num_spans);
   std::vector<Key128> out;
   Key128 h = root;
   for (int64_t bi = 0; bi < n / block_size_; ++bi) {
@@ -365,10 +370,7 @@ std::vector<BlockId> BlockPool::match_locked(const Key128& root, const int32_t* 
                                              const ExtraKeySpan* spans, size_t num_spans,
                                              Key128* last_hash) const {
   if (n < 0) throw std::invalid_argument("token count must be >= 0, got " + str(n));
-  check_spans(spans, num_spans);
-  std::vector<ExtraKeySpan> sorted(spans, spans + num_spans);
-  std::sort(sorted.begin(), sorted.end());
-  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  const std::vector<ExtraKeySpan> sorted = sorted_spans(spans, num_spans);
   std::vector<BlockId> out;
   Key128 h = root;
   for (int64_t bi = 0; bi < n / block_size_; ++bi) {

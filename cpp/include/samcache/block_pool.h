@@ -142,6 +142,8 @@ class BlockPool {
   const Sequence& lookup(SeqId id) const;
   void check_block(BlockId block) const;
   void check_spans(const ExtraKeySpan* spans, size_t n) const;
+  // Checked, sorted and deduplicated: the spans as hash_block reads them.
+  std::vector<ExtraKeySpan> sorted_spans(const ExtraKeySpan* spans, size_t n) const;
   // Reserves blocks for n more tokens (CoW of the shared partial tail included).
   void grow(Sequence& s, int64_t n, int32_t* slots_out, std::vector<CopyPair>* copies);
   BlockId allocate(int32_t priority);
