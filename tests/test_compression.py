@@ -134,3 +134,66 @@ def test_stage_keeps_multiply_to_the_target():
         assert np.prod(stage_keeps(keep, stages)) == pytest.approx(keep)
     with pytest.raises(ValueError):
         stage_keeps(0.0, 2)
+
+
+def _greedy_anchors(scores, coords, keep, spread):
+    """The anchor rule written plainly: experts' firsts, then a greedy pass keeping ``gap`` apart,
+    then a fill, all in selection order."""
+    n = len(scores)
+    k = anchor_count(n, keep)
+    order = selection_order(scores)
+    if k == n:
+        return list(range(n))
+    gap = spread * math.sqrt(n / k)
+    chosen = list(order[: min(k, int(scores.expert.unique().numel()))])
+    xy = coords.double()
+    for i in order:
+        if len(chosen) == k:
+            break
+        if i not in chosen and all(float(torch.dist(xy[i], xy[j])) >= gap for j in chosen):
+            chosen.append(int(i))
+    for i in order:
+        if len(chosen) == k:
+            break
+        if i not in chosen:
+            chosen.append(int(i))
+    return sorted(int(i) for i in chosen)
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(1, 9), w=st.integers(1, 9), experts=st.integers(2, 6), keep=st.floats(0.02, 1.0),
+       seed=st.integers(0, 2**31 - 1), spread=st.sampled_from([0.0, 0.3, 0.5, 1.0, 2.0]),
+       duplicate=st.booleans())
+def test_anchors_equal_the_plain_greedy_rule(h, w, experts, keep, seed, spread, duplicate):
+    n = h * w
+    g = torch.Generator().manual_seed(seed)
+    scores = RouterScores.from_logits(torch.randn(n, experts, generator=g) * 2)
+    coords = _grid(h, w)
+    if duplicate and n > 1:  # two tokens in one cell (e.g. two frames): the shortcut must not apply
+        coords = coords.clone()
+        coords[-1] = coords[0]
+    assert select_anchors(scores, coords, keep, spread=spread).tolist() == _greedy_anchors(scores, coords, keep, spread)
+
+
+def _round_robin(scores):
+    """Selection order written plainly: experts by their best token, a lap at a time."""
+    conf, expert = scores.confidence.double().tolist(), scores.expert.tolist()
+    queues: dict[int, list[int]] = {}
+    for i in sorted(range(len(conf)), key=lambda i: (-conf[i], i)):
+        queues.setdefault(expert[i], []).append(i)
+    order, depth = [], 0
+    while len(order) < len(conf):
+        order += [q[depth] for q in queues.values() if depth < len(q)]
+        depth += 1
+    return order
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 80), experts=st.integers(2, 9), seed=st.integers(0, 2**31 - 1), ties=st.booleans())
+def test_selection_order_equals_the_plain_round_robin(n, experts, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, experts, generator=g) * 2
+    if ties:  # equal confidences: the index breaks them
+        logits = logits.round()
+    scores = RouterScores.from_logits(logits)
+    assert selection_order(scores).tolist() == _round_robin(scores)

@@ -20,7 +20,9 @@ comparable and slow drifts of the machine hit every mode alike. Modes:
 ========================  ==========================================================================
 
 ``recompute`` ratios apply to the modes that recompute (samcache, head-only, uniform-budget):
-each ratio is a separate run, which gives the speed / fidelity curve. Fidelity is measured
+each ratio is a separate run, which gives the speed / fidelity curve. ``compression`` keep ratios
+(MoE checkpoints) run every samcache-engine mode once per ratio with visual-token compression on
+(``baseline@keep0.25``: compression without reuse; ``samcache@keep0.25``: with it). Fidelity is measured
 against a full prefill of the same prompt (what ``baseline`` computes) on every turn of every
 other mode, outside the timed path. ``threads`` sets the CPU threads of every mode, the peer's
 worker included.
@@ -85,6 +87,17 @@ def parse_modes(modes: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_keeps(keeps: str | Sequence[float]) -> list[float]:
+    """Compression keep ratios: numbers in (0, 1], comma-separated."""
+    try:
+        values = [float(k) for k in keeps.split(",") if k.strip()] if isinstance(keeps, str) else [float(k) for k in keeps]
+    except ValueError:
+        raise ValueError(f"compression keep ratios must be numbers separated by commas, got {keeps!r}") from None
+    if not values or any(not 0.0 < k <= 1.0 for k in values):
+        raise ValueError(f"compression keep ratios must be in (0, 1], got {keeps!r}")
+    return list(dict.fromkeys(values))
+
+
 def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
     try:
         values = [float(r) for r in ratios.split(",") if r.strip()] if isinstance(ratios, str) else [float(r) for r in ratios]
@@ -95,12 +108,16 @@ def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
     return list(dict.fromkeys(values))
 
 
-def mode_engine_kwargs(mode: str, ratio: float | None, curves: Any, base: dict[str, Any]) -> dict[str, Any]:
-    """The engine arguments of one (mode, recompute ratio) run: ``base`` with the mode's own, the
-    ratio, and for layer-aware modes the calibrated ``curves`` (a uniform budget without them)."""
+def mode_engine_kwargs(mode: str, ratio: float | None, curves: Any, base: dict[str, Any],
+                       keep: float | None = None) -> dict[str, Any]:
+    """The engine arguments of one (mode, recompute ratio, compression keep) run: ``base`` with the
+    mode's own, the ratio, compression at ``keep`` (None: off), and for layer-aware modes the
+    calibrated ``curves`` (a uniform budget without them)."""
     kw = {**base, **MODES[mode].engine_kwargs}
     if ratio is not None:
         kw["recompute_ratio"] = ratio
+    if keep is not None:
+        kw.update(compression_enabled=True, compression_keep=keep)
     if MODES[mode].layer_aware:
         kw["sensitivity"] = curves
         if curves is None:
@@ -121,6 +138,10 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
     images = total("images")
     kv_lookups = total("image_kv_hits") + total("image_kv_misses")
     layers = max((len(t.get("recompute_rates") or []) for t in turns), default=1) or 1
+    # KV rows (token x layer) the turns' prompts hold, against every token at every layer.
+    compacted = [t for t in turns if t.get("layer_tokens")]
+    kv_rows = (sum(sum(t["layer_tokens"]) for t in compacted)
+               / sum(len(t["layer_tokens"]) * t["prompt_tokens"] for t in compacted)) if compacted else None
     vit_lookups = total("vit_hits") + total("vit_calls")
     fid = [t["fidelity"] for t in turns if t.get("fidelity")]
     decode = [t["decode_tokens_per_s"] for t in turns if (t.get("decode_tokens_per_s") or 0) > 0]
@@ -144,6 +165,9 @@ def summarize(turns: list[dict]) -> dict[str, Any]:
         "peak_kv_mib": max(t["kv_held_bytes"] for t in turns) / 2**20 if known("kv_held_bytes") else None,
         "peak_live_kv_mib": max(t["kv_bytes"] for t in turns) / 2**20 if known("kv_bytes") else None,
         "image_kv_bytes_per_token": max((t.get("image_kv_bytes_per_token") or 0 for t in turns), default=0) or None,
+        "kv_rows_fraction": kv_rows,
+        "image_kv_rows_fraction": statistics.fmean(f) if (f := [t["image_kv_rows_fraction"] for t in turns
+                                                                if t.get("image_kv_rows_fraction") is not None]) else None,
         "decode_tokens_per_s": statistics.median(decode) if decode else 0.0,
         "fidelity": {
             "kl_median": statistics.median(f["kl"] for f in fid),
@@ -169,6 +193,15 @@ def plugin_fidelity(reference: list[dict], plugin: list[dict]) -> None:
                            "greedy_agree": float(same), "reference": "vanilla vLLM"}
 
 
+def _image_rows_fraction(engine) -> float | None:
+    """KV rows (token x layer) the image-KV store holds, against its images' tokens at every layer
+    (below 1 when compressed images keep fewer tokens after their first stage)."""
+    held = list(engine.image_kv_store.entries.payloads())
+    layers = engine.runner.num_layers
+    tokens = sum(h.length for h in held)
+    return sum(h.layer_rows(layers) for h in held) / (tokens * layers) if tokens else None
+
+
 def _work(rec: dict) -> list[int]:
     """What a turn computed and reused: equal across plays of the same trace on cold engines."""
     return [rec["prefilled_tokens"], rec["prefix_reused_tokens"], rec["image_reused_tokens"], rec["vit_calls"]]
@@ -180,6 +213,7 @@ def run_benchmark(
     *,
     modes: Sequence[str] = ("baseline", "prefix", "samcache"),
     recompute: Sequence[float] = (0.05,),
+    compression: Sequence[float] = (),
     device: str = "cpu",
     dtype: str | None = None,
     fidelity: bool = True,
@@ -210,6 +244,7 @@ def run_benchmark(
 
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
+    keeps: list[float | None] = parse_keeps(compression) if compression else [None]
     check_int("repeat", repeat, 1)
     if threads is not None:
         check_int("threads", threads, 1)
@@ -230,10 +265,11 @@ def run_benchmark(
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}
     shared = SAMcacheEngine(model_path, **{**base, "kv_cache_bytes": 1 << 20})  # holds the weights for all
     base["share_weights_with"] = shared
-    runs = [(m, r) for m in modes if not MODES[m].peer for r in (recompute if MODES[m].recomputes else [None])]
+    runs = [(m, r, k) for m in modes if not MODES[m].peer for r in (recompute if MODES[m].recomputes else [None])
+            for k in (keeps if not MODES[m].new_content_only else [None])]
     curves = None
     meta: dict[str, Any] = {}
-    if any(MODES[m].layer_aware for m, _ in runs) and calibrate:
+    if any(MODES[m].layer_aware for m, _, _ in runs) and calibrate:
         probe = SAMcacheEngine(model_path, **base)
         t0 = time.perf_counter()
         curves = probe.calibrate(progress=progress)
@@ -248,14 +284,14 @@ def run_benchmark(
 
     def make_engines() -> list:
         engines = []
-        for mode, ratio in runs:
-            engine = SAMcacheEngine(model_path, **mode_engine_kwargs(mode, ratio, curves, base))
+        for mode, ratio, keep in runs:
+            engine = SAMcacheEngine(model_path, **mode_engine_kwargs(mode, ratio, curves, base, keep))
             engine.warm_up()
             engines.append(engine)
         return engines
 
     # Every turn's messages (and its new content alone, for the floor), drawn once for all plays.
-    floors = trace.new_contents() if any(MODES[m].new_content_only for m, _ in runs) else trace.turns
+    floors = trace.new_contents() if any(MODES[m].new_content_only for m, _, _ in runs) else trace.turns
     prompts = [(turn.resolved(), floor.resolved()) for turn, floor in zip(trace.turns, floors)]
 
     def play(engines: list, measure_fidelity: bool) -> list[list[dict]]:
@@ -264,10 +300,11 @@ def run_benchmark(
         # machine and the cache state left by the previous run hit every mode alike.
         for t, (turn, (messages, floor)) in enumerate(zip(trace.turns, prompts)):
             for i in [(t + k) % len(runs) for k in range(len(runs))]:
-                (mode, _), engine = runs[i], engines[i]
+                (mode, _, _), engine = runs[i], engines[i]
                 cut = MODES[mode].new_content_only  # another prompt: fidelity against the turn means nothing
                 r = engine.chat(messages=floor if cut else messages, max_new_tokens=turn.max_new_tokens,
-                                ignore_eos=True, fidelity=measure_fidelity and mode != "baseline" and not cut,
+                                ignore_eos=True, fidelity=measure_fidelity and not cut
+                                and (mode != "baseline" or runs[i][2] is not None),  # compressed: not exact
                                 fidelity_tokens=fidelity_tokens)
                 rec = r.metrics.to_dict()
                 rec["label"] = turn.label
@@ -275,6 +312,7 @@ def run_benchmark(
                 # held in the pool's own blocks, so this is all of it).
                 rec["kv_held_bytes"] = r.metrics.kv_pool_bytes
                 rec["image_kv_bytes_per_token"] = engine.image_kv_store.bytes_per_token() if engine.use_image_kv else None
+                rec["image_kv_rows_fraction"] = _image_rows_fraction(engine) if engine.use_image_kv else None
                 per_run[i].append(rec)
                 if bar is not None:
                     bar.update(1)
@@ -370,11 +408,13 @@ def run_benchmark(
         if bar is not None:
             bar.close()
     results = []
-    for (mode, ratio), engine, turns in zip(runs, engines or [], per_run):
+    for (mode, ratio, keep), engine, turns in zip(runs, engines or [], per_run):
+        name = mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}"
         results.append({
             "mode": mode,
             "recompute": ratio,
-            "name": mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}",
+            "compression_keep": keep,
+            "name": name if keep is None else f"{name}@keep{keep:g}",
             "layer_rates": engine.layer_budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,
             "levels": {"prefix": engine.use_prefix, "vit": engine.use_vit_cache, "image_kv": engine.use_image_kv},
             "kv_memory_bytes": engine.pool.num_blocks * engine.runner.block_bytes,  # pool: all the KV it may hold
@@ -412,4 +452,4 @@ def run_benchmark(
     return {"meta": meta, "trace": trace.summary(), "modes": {m: MODES[m].description for m in modes}, "runs": results}
 
 
-__all__ = ["MODES", "Mode", "parse_modes", "parse_ratios", "run_benchmark", "summarize"]
+__all__ = ["MODES", "Mode", "parse_keeps", "parse_modes", "parse_ratios", "run_benchmark", "summarize"]

@@ -22,13 +22,14 @@ import tempfile
 
 
 def _bench(args) -> int:
-    from samcache.benchmark import MODES, parse_modes, parse_ratios
+    from samcache.benchmark import MODES, parse_keeps, parse_modes, parse_ratios
     from samcache.workloads import make_trace
-
 
     try:
         modes = parse_modes(args.modes or ("vllm,vllm-samcache" if args.engine == "vllm" else "baseline,prefix,samcache"))
         ratios = parse_ratios(args.recompute if args.recompute is not None else "0.05")
+        if args.compression is not None:
+            args.compression = parse_keeps(args.compression)
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
@@ -111,7 +112,8 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
     command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
     try:
         results = run_benchmark(
-            trace, model, modes=modes, recompute=ratios, device=args.device, dtype=args.dtype,
+            trace, model, modes=modes, recompute=ratios, compression=args.compression or (), device=args.device,
+            dtype=args.dtype,
             fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, progress=not args.quiet,
             command=command, model_note=note, repeat=args.repeat, threads=args.threads, vllm_python=args.vllm_python,
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters: " + "; ".join(f"{n}: {', '.join(scenario_parameters(n))}" for n in SCENARIOS))
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--recompute", default=None, help="recompute ratio(s), comma-separated: a sweep (default 0.05)")
+    b.add_argument("--compression", default=None, metavar="KEEP",
+                   help="visual-token compression keep ratio(s), comma-separated (e.g. 1.0,0.5,0.25,0.11): every "
+                        "mode runs once per ratio with compression on (MoE checkpoints: --family qwen3_vl_moe)")
     b.add_argument("--repeat", type=int, default=1,
                    help="run the trace N times with fresh engines; each turn's TTFT is its median over the N")
     b.add_argument("--max-new-tokens", type=int, default=8)

@@ -10,7 +10,24 @@ import json
 import pathlib
 from typing import Any
 
-PLOTS = ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png")
+PLOTS = ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png", "compression.png")
+
+
+def _uncompressed(run: dict[str, Any]) -> bool:
+    return run.get("compression_keep") in (None, 1.0)
+
+
+def compression_rows(runs: list[dict[str, Any]]) -> list[tuple[dict, dict | None]]:
+    """Each compressed run with the run of the same mode and recompute ratio without compression
+    (or at keep 1.0, which computes the same), if the results hold one."""
+    out = []
+    for r in runs:
+        if r.get("compression_keep") is None:
+            continue
+        plain = next((p for p in runs if p["mode"] == r["mode"] and p["recompute"] == r["recompute"]
+                      and _uncompressed(p) and p is not r), None)
+        out.append((r, plain))
+    return out
 
 
 def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
@@ -76,6 +93,26 @@ def _plots(results: dict[str, Any], out: pathlib.Path) -> list[str]:
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
         save(fig, PLOTS[2])
+
+    pairs = [(r, p) for r, p in compression_rows(runs) if p is not None and r["summary"]["fidelity"]]
+    if pairs:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.9))
+        for mode in dict.fromkeys(r["mode"] for r, _ in pairs):
+            pts = sorted(((r["compression_keep"], p["summary"]["ttft_p50_ms"] / r["summary"]["ttft_p50_ms"],
+                           r["summary"]["fidelity"]["kl_median"], r["summary"]["kv_rows_fraction"])
+                          for r, p in pairs if r["mode"] == mode), reverse=True)
+            a1.plot([p[1] for p in pts], [max(p[2], 1e-12) for p in pts], marker="o", label=mode)
+            for keep, speed, kl, _ in pts:
+                a1.annotate(f"{keep:g}", (speed, max(kl, 1e-12)), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            a2.plot([p[0] for p in pts], [p[3] if p[3] is not None else float("nan") for p in pts], marker="o",
+                    label=mode)
+        a1.set(xlabel="TTFT p50 speed-up over the same mode uncompressed", ylabel="next-token KL vs uncompressed",
+               title="speed vs fidelity (labels: keep ratio)", yscale="log")
+        a2.set(xlabel="keep ratio", ylabel="KV rows held / uncompressed", title="KV of the prompts")
+        for a in (a1, a2):
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        save(fig, PLOTS[3])
     return made
 
 
@@ -100,8 +137,8 @@ def ratio_cell(ref: dict, s: dict, *, times: str = "×") -> str:
 def render(results: dict[str, Any], plots: list[str]) -> str:
     meta, trace, runs = results["meta"], results["trace"], results["runs"]
     by_name = {r["name"]: r for r in runs}
-    ref = next((r for r in runs if r["mode"] == "prefix"), None)
-    base = next((r for r in runs if r["mode"] == "baseline"), None)
+    ref = next((r for r in runs if r["mode"] == "prefix" and _uncompressed(r)), None)
+    base = next((r for r in runs if r["mode"] == "baseline" and _uncompressed(r)), None)
     lines = [
         f"# samcache benchmark: `{trace['scenario']}` scenario",
         "",
@@ -177,6 +214,23 @@ def render(results: dict[str, Any], plots: list[str]) -> str:
                   f"seen for the first time and the last message's text), without the context those tokens would "
                   f"attend to. Serving the whole turn costs at least that, so no reuse scheme can be more than "
                   f"{best:.2f}× faster than `prefix` on this trace and machine."]
+    compressed = compression_rows(runs)
+    if compressed:
+        lines += ["", "### Visual-token compression", "",
+                  "Each compressed run against the same mode without compression (fidelity: against a full prefill "
+                  "without compression). KV rows = (token, layer) pairs the prompts hold, over every token at every "
+                  "layer; image KV rows = the same for the images the image-KV store holds.", "",
+                  "| run | keep | TTFT p50 | speed-up p50 / mean | KV rows | image KV rows | image KV bytes/token "
+                  "| KL median | top-1 | greedy |", "| --- " * 10 + "|"]
+        for r, plain in compressed:
+            s = r["summary"]
+            speed = ratio_cell(plain["summary"], s) if plain else "-"
+            kl, top1, greedy = fidelity_cells(s["fidelity"], r["mode"])
+            rows = "-" if s.get("kv_rows_fraction") is None else f"{s['kv_rows_fraction']:.2f}"
+            image_rows = "-" if s.get("image_kv_rows_fraction") is None else f"{s['image_kv_rows_fraction']:.2f}"
+            per_token = "-" if not s.get("image_kv_bytes_per_token") else f"{s['image_kv_bytes_per_token']:,.0f}"
+            lines.append(f"| `{r['name']}` | {r['compression_keep']:g} | {s['ttft_p50_ms']:.1f} ms | {speed} | {rows} "
+                         f"| {image_rows} | {per_token} | {kl} | {top1} | {greedy} |")
     recomputing = [r for r in runs if r["recompute"] is not None]
     if recomputing:
         lines += ["", "Per-layer recompute rates of the budget: " + "; ".join(

@@ -63,15 +63,17 @@ def selection_order(scores: RouterScores) -> np.ndarray:
     (experts ordered by their most confident token), each expert's tokens by confidence."""
     conf = scores.confidence.double().numpy()
     expert = scores.expert.numpy()
-    by_expert: dict[int, list[int]] = {}
-    for i in sorted(range(len(conf)), key=lambda i: (-conf[i], i)):
-        by_expert.setdefault(int(expert[i]), []).append(i)
-    queues = list(by_expert.values())  # dict order: experts by their best token's confidence
-    order, depth = [], 0
-    while len(order) < len(conf):
-        order.extend(q[depth] for q in queues if depth < len(q))
-        depth += 1
-    return np.asarray(order, dtype=np.int64)
+    ranked = np.lexsort((np.arange(conf.size), -conf))  # by confidence, ties by index
+    by_rank = expert[ranked]
+    # Experts in the order of their best token; each token's depth = its rank within its expert.
+    _, first = np.unique(by_rank, return_index=True)
+    expert_rank = np.empty(int(by_rank.max()) + 1 if by_rank.size else 0, dtype=np.int64)
+    expert_rank[by_rank[np.sort(first)]] = np.arange(first.size)
+    depth = np.empty(conf.size, dtype=np.int64)
+    for e in np.unique(by_rank):
+        where = by_rank == e
+        depth[where] = np.arange(int(where.sum()))
+    return ranked[np.lexsort((expert_rank[by_rank], depth))].astype(np.int64)
 
 
 def select_anchors(scores: RouterScores, coords: torch.Tensor, keep: float, *, spread: float = 0.5) -> torch.Tensor:
@@ -94,23 +96,24 @@ def select_anchors(scores: RouterScores, coords: torch.Tensor, keep: float, *, s
     chosen = np.zeros(n, dtype=bool)
     count = 0
     # Every dominant expert's most confident token first (the round-robin's first lap), as far as k goes.
-    for i in order[: min(k, int(scores.expert.unique().numel()))]:
-        chosen[i] = True
-        count += 1
-        np.minimum(nearest, np.hypot(*(xy - xy[i]).T), out=nearest)
-    for i in order:
-        if count == k:
-            break
-        if not chosen[i] and nearest[i] >= gap:
-            chosen[i] = True
-            count += 1
+    firsts = order[: min(k, int(scores.expert.unique().numel()))]
+    chosen[firsts] = True
+    count = firsts.size
+    # Distinct grid cells are at least 1 apart: with a gap of at most 1 every token passes the
+    # spreading test, which then picks in plain order (the fill below does the same, faster).
+    spreading = gap > 1.0 or np.unique(xy, axis=0).shape[0] < n
+    if spreading:
+        for i in firsts:
             np.minimum(nearest, np.hypot(*(xy - xy[i]).T), out=nearest)
-    for i in order:  # fill what spreading left, in the same order
-        if count == k:
-            break
-        if not chosen[i]:
-            chosen[i] = True
-            count += 1
+        for i in order:
+            if count == k:
+                break
+            if not chosen[i] and nearest[i] >= gap:
+                chosen[i] = True
+                count += 1
+                np.minimum(nearest, np.hypot(*(xy - xy[i]).T), out=nearest)
+    rest = order[~chosen[order]][: k - count]  # fill what spreading left, in the same order
+    chosen[rest] = True
     return torch.from_numpy(np.flatnonzero(chosen))
 
 

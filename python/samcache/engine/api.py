@@ -32,6 +32,7 @@ import torch
 from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
 from samcache.agent.branches import Branch, ContextTree, TreeMemory
 from samcache.block_pool import BlockPool
+from samcache.compression.settings import DEFAULT_KEEP, CompressionSettings
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.families import detect_family
 from samcache.engine.images import ImageGeometry, prepare_image, preprocess_params
@@ -170,6 +171,8 @@ class SAMcacheEngine:
         dtype: str | torch.dtype | None = None,
         cache_enabled: bool = True,
         compression_enabled: bool = False,
+        compression_keep: float = DEFAULT_KEEP,
+        compression_layers: Sequence[int] | None = None,
         recompute_ratio: float = 0.05,
         recompute_budget: str = "layer-aware",
         sensitivity: SensitivityCurves | str | os.PathLike | None = None,
@@ -200,11 +203,8 @@ class SAMcacheEngine:
         prefetch_horizon: int = 2,
         host_prefix_cache_bytes: int = 0,
     ) -> None:
-        if compression_enabled:
-            raise ValueError(
-                "compression_enabled=True needs the router-logit visual-token compression policy, "
-                "which this version does not have yet; use compression_enabled=False"
-            )
+        if not isinstance(compression_enabled, bool):
+            raise TypeError(f"compression_enabled must be a bool, got {compression_enabled!r}")
         check_fraction("recompute_ratio", recompute_ratio)
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
@@ -265,6 +265,7 @@ class SAMcacheEngine:
             num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             model=share_weights_with.runner.model if share_weights_with is not None else None,
         )
+        self.compression = self._compression_settings(compression_enabled, compression_keep, compression_layers)
         self.pool = BlockPool(self.runner.num_blocks, block_size)
         self.processor = load_processor(self.model_path)
         self.tokenizer = self.processor.tokenizer
@@ -521,7 +522,26 @@ class SAMcacheEngine:
             budget = self.recompute_budget_for(self.layer_budget(ratio).rates)
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
-                              store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache)
+                              store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache,
+                              compression=self.compression)
+
+    def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
+        """Checked compression settings (None when off). Compression scores visual tokens with
+        router logits, so it needs an MoE language model with a router at every stage layer."""
+        if not enabled:
+            return None
+        runner = self.runner
+        settings = CompressionSettings.for_model(runner.num_layers, keep=keep, layers=layers)
+        dense = [l for l in settings.layers if not hasattr(getattr(runner.layers[l].mlp, "gate", None), "weight")]
+        if dense:
+            raise ValueError(
+                f"compression_enabled=True needs an MoE language model (its router logits score the visual tokens); "
+                f"{self.family.name} layer(s) {dense} have a dense MLP. Use a Qwen3-VL-MoE checkpoint, or stage layers "
+                "that are MoE layers (compression_layers=...)")
+        if any(w > 0 for w in runner.windows):
+            raise ValueError("compression_enabled=True does not support sliding-window layers: compacted layers "
+                             "would change what a window covers")
+        return settings
 
     def prefill(self, prompt: Prompt, *, tenant: str | None = None, options: RequestOptions | None = None
                 ) -> tuple[Prepared, torch.Tensor]:
@@ -597,7 +617,8 @@ class SAMcacheEngine:
             done = self.scheduler.run([a for a, _ in admitted])
             for i, (adm, history), out in zip(where, admitted, done):
                 if self.priorities is not None and not isinstance(out, BaseException):
-                    images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index]))
+                    images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index],
+                                                                                 adm.options.compression))
                               for s in self.executor.layout(adm.prompt, adm.namespace).images}
                     self.priorities.record(requests[i].agent, images, out.blocks, out.attention)
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
@@ -621,7 +642,8 @@ class SAMcacheEngine:
             from samcache.eval.fidelity import measure_fidelity  # here: samcache.eval imports the engine
 
             m.fidelity = measure_fidelity(self.executor, adm.prompt, out.first_logits, out.fork, req.fidelity_tokens,
-                                          model_id=self.model_id, vit_namespace=adm.namespace)
+                                          model_id=self.model_id, vit_namespace=adm.namespace,
+                                          compaction=out.prepared.compaction)
         text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
         if req.session is not None:
             req.session.messages = history + [{"role": "assistant", "content": text}]

@@ -6,6 +6,11 @@ depth). :meth:`StepBatch.build` concatenates the rows and plans the step once: K
 attention metadata of all rows (FlashInfer-style, :class:`samcache.ops.AttentionMetadata`) and,
 for each distinct per-layer row set, the row subset and its metadata. Every layer then only
 looks its plan up (plan/run split).
+
+With visual-token compression a sequence's later layers hold fewer tokens, compacted
+(:class:`samcache.compression.Compaction`): those layers get metadata of their own, with the
+compacted query positions, slots and KV lengths. A compression stage inside the step changes the
+plan of the layers after it (:meth:`StepBatch.replan`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import numpy as np
 import torch
 
 from samcache.block_pool import slot_ids
+from samcache.compression.compaction import Compaction
+from samcache.compression.settings import CompressionSettings
 from samcache.ops.sparse_attention import AttentionMetadata
 
 
@@ -31,6 +38,8 @@ class SequenceStep:
     this step.
     ``deepstack``: per DeepStack layer, features to add to the visual rows (``deepstack_rows``:
     index into the features per row, -1 for text).
+    ``compaction``: the sequence's compacted layers (compression); ``compress``: image spans
+    (start, length) this step compresses with ``compression`` (computed in full at every layer).
     """
 
     rows: np.ndarray
@@ -43,6 +52,26 @@ class SequenceStep:
     deepstack_rows: np.ndarray | None = None
     deepstack_features: list[torch.Tensor] | None = None
     before_layer: Callable[[int], None] | None = None  # runs before each layer (KV still loading)
+    compaction: Compaction | None = None
+    compress: list[tuple[int, int]] | None = None
+    compression: CompressionSettings | None = None
+
+
+@dataclass
+class CompressJob:
+    """An image a step compresses: the step rows it still keeps (``rows``, device int64), their
+    sequence positions and image-grid coordinates [n, 2]; its sequence's block table and length,
+    and ``prior``: the sequence's positions whose KV this step does not write at every layer (it
+    was there before: a prefix, spliced images), which a stage moves to their compacted slots."""
+
+    settings: CompressionSettings
+    compaction: Compaction
+    rows: torch.Tensor
+    positions: np.ndarray
+    coords: torch.Tensor
+    block_table: np.ndarray
+    num_kv_tokens: int
+    prior: np.ndarray
 
 
 @dataclass
@@ -69,6 +98,11 @@ class StepBatch:
     logit_rows: torch.Tensor  # [B] each sequence's last row
     deepstack_features: list[torch.Tensor] | None = None
     before_layer: list[Callable[[int], None]] = field(default_factory=list)
+    deepstack_rows: np.ndarray | None = None  # per row: its feature row, -1 for text
+    compress_jobs: list[CompressJob] = field(default_factory=list)
+    steps: list[SequenceStep] = field(default_factory=list)
+    offsets: np.ndarray | None = None  # first row of each sequence
+    block_size: int = 0
 
     @classmethod
     def build(cls, steps: list[SequenceStep], *, num_layers: int, block_size: int,
@@ -103,37 +137,86 @@ class StepBatch:
             ds_rows = np.concatenate(rows)
             ds_feats = [torch.cat(f) for f in feats]
 
-        def visual(rows_of_subset: np.ndarray | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            if ds_rows is None:
-                return None, None
-            feature = ds_rows if rows_of_subset is None else ds_rows[rows_of_subset]
-            where = np.flatnonzero(feature >= 0)
-            return torch.from_numpy(where).to(device), torch.from_numpy(feature[where]).to(device)
-
-        all_rows = RowSubset(all_index, slots_t, meta, *visual(None))
-
-        layers: list[RowSubset | None] = [None] * num_layers
-        # Per-layer subsets exist only where some sequence recomputes a subset (decode steps and
-        # full prefills compute every row at every layer).
-        previous: tuple[np.ndarray, RowSubset] | None = None
-        for layer in range(num_layers if any(s.layer_rows is not None for s in steps) else 0):
-            if all(s.layer_rows is None or s.layer_rows[layer].size == s.rows.size for s in steps):
-                continue
-            parts = []
-            for s, off in zip(steps, offsets):
-                active = s.rows if s.layer_rows is None else s.layer_rows[layer]
-                parts.append(off + np.searchsorted(s.rows, active))
-            index = np.concatenate(parts)
-            if previous is None or not np.array_equal(previous[0], index):  # else: the layer above's plan
-                idx = torch.from_numpy(index).to(device)
-                previous = (index, RowSubset(idx, slots_t.index_select(0, idx),
-                                             meta.select(idx, [p.size for p in parts]), *visual(index)))
-            layers[layer] = previous[1]
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
         positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
-        return cls(embeds=embeds, positions=positions.to(device), all_rows=all_rows, layers=layers,
-                   logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
-                   before_layer=[s.before_layer for s in steps if s.before_layer is not None])
+        batch = cls(embeds=embeds, positions=positions.to(device), all_rows=None, layers=[None] * num_layers,  # type: ignore[arg-type]
+                    logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
+                    before_layer=[s.before_layer for s in steps if s.before_layer is not None],
+                    deepstack_rows=ds_rows, steps=list(steps), offsets=offsets, block_size=block_size)
+        batch.all_rows = RowSubset(all_index, slots_t, meta, *batch._visual(None))
+        batch.replan(0)
+        for s, off in zip(steps, offsets):
+            if s.compress:
+                full = s.rows
+                for rows in s.layer_rows or ():
+                    if rows.size != full.size:
+                        full = np.intersect1d(full, rows, assume_unique=True)
+                prior = np.setdiff1d(np.arange(s.num_kv_tokens), full, assume_unique=True)
+            for start, length in s.compress or ():
+                if s.compaction is None or s.compression is None:
+                    raise ValueError("a step that compresses images needs its compaction and compression settings")
+                where = np.arange(start, start + length)
+                local = np.searchsorted(s.rows, where)
+                if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], where)):
+                    raise ValueError(f"image tokens [{start}, {start + length}) are not all computed this step")
+                rows = torch.from_numpy(off + local).to(device)
+                coords = s.positions[1:3, torch.from_numpy(local)].T.contiguous()
+                batch.compress_jobs.append(CompressJob(s.compression, s.compaction, rows, where, coords,
+                                                       s.block_table, s.num_kv_tokens, prior))
+        return batch
+
+    def _visual(self, rows_of_subset: np.ndarray | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Which of a row subset's rows take DeepStack features, and their feature rows."""
+        if self.deepstack_rows is None:
+            return None, None
+        device = self.all_rows.index.device if self.all_rows is not None else self.positions.device
+        feature = self.deepstack_rows if rows_of_subset is None else self.deepstack_rows[rows_of_subset]
+        where = np.flatnonzero(feature >= 0)
+        return torch.from_numpy(where).to(device), torch.from_numpy(feature[where]).to(device)
+
+    def replan(self, first_layer: int) -> None:
+        """Plan the row subsets of layers ``first_layer`` on (again, after a compression stage)."""
+        steps, offsets, device = self.steps, self.offsets, self.all_rows.index.device
+        total = int(offsets[-1])
+        subsetting = any(s.layer_rows is not None for s in steps)
+        compacting = [s for s in steps if s.compaction is not None and s.compaction.active]
+        if not subsetting and not compacting:
+            return  # every layer computes every row of every sequence, at its own slot
+        # Per-layer subsets exist only where some sequence recomputes a subset or holds fewer
+        # tokens (decode steps and full prefills compute every row at every layer).
+        previous: tuple[tuple, RowSubset] | None = None
+        for layer in range(first_layer, len(self.layers)):
+            parts, kept, compacted = [], [], False
+            for s, off in zip(steps, offsets):
+                active = s.rows if s.layer_rows is None else s.layer_rows[layer]
+                if s.compaction is not None and s.compaction.removed[layer].size:
+                    active = s.compaction.kept(layer, active)
+                    compacted = True
+                kept.append(active)
+                parts.append(off + np.searchsorted(s.rows, active))
+            index = np.concatenate(parts)
+            if not compacted and index.size == total:
+                self.layers[layer] = None
+                previous = None
+                continue
+            key = (index.tobytes(), tuple(id(s.compaction.removed[layer]) if s.compaction is not None else 0
+                                          for s in steps))
+            if previous is None or previous[0] != key:  # else: the layer above's plan
+                idx = torch.from_numpy(index).to(device)
+                if compacted:
+                    where = [active if s.compaction is None else s.compaction.slots(layer, active)
+                             for s, active in zip(steps, kept)]
+                    lengths = [s.num_kv_tokens if s.compaction is None else s.compaction.length(layer, s.num_kv_tokens)
+                               for s in steps]
+                    meta = AttentionMetadata.build(where, [s.block_table for s in steps], lengths, self.block_size,
+                                                   device)
+                    slots = torch.from_numpy(np.concatenate([slot_ids(s.block_table, w, self.block_size)
+                                                             for s, w in zip(steps, where)])).to(device)
+                else:
+                    meta = self.all_rows.meta.select(idx, [p.size for p in parts])
+                    slots = self.all_rows.slots.index_select(0, idx)
+                previous = (key, RowSubset(idx, slots, meta, *self._visual(index)))
+            self.layers[layer] = previous[1]
 
 
-__all__ = ["RowSubset", "SequenceStep", "StepBatch"]
+__all__ = ["CompressJob", "RowSubset", "SequenceStep", "StepBatch"]

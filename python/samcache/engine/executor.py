@@ -31,6 +31,8 @@ import torch
 
 from samcache.agent.branches import ContextTree
 from samcache.block_pool import BlockPool, slot_ids
+from samcache.compression.compaction import Compaction
+from samcache.compression.settings import CompressionSettings
 from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
@@ -58,7 +60,8 @@ class RequestOptions:
     prefix-cache space of their own (exact-only requests never see them). ``store_images``: keep
     new images' KV for later turns. ``budget``: the recompute budget of spliced tokens (None:
     none). ``use_vit``: look ViT outputs up in the ViT cache, in ``vit_namespace`` (default: the
-    request's namespace); ``store_vit``: keep new ViT outputs there.
+    request's namespace); ``store_vit``: keep new ViT outputs there. ``compression``: merge the
+    visual tokens of the images this request computes (None: keep every token).
     """
 
     use_prefix: bool = True
@@ -70,6 +73,7 @@ class RequestOptions:
     use_vit: bool = True
     vit_namespace: Namespace | None = None
     store_vit: bool = True
+    compression: CompressionSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
@@ -81,6 +85,9 @@ class RequestOptions:
         if self.vit_namespace is not None and not isinstance(self.vit_namespace, Namespace):
             raise TypeError(f"RequestOptions.vit_namespace must be a Namespace or None, got "
                             f"{type(self.vit_namespace).__name__}")
+        if self.compression is not None and not isinstance(self.compression, CompressionSettings):
+            raise TypeError(f"RequestOptions.compression must be CompressionSettings or None, got "
+                            f"{type(self.compression).__name__}")
 
 
 @dataclass
@@ -98,6 +105,8 @@ class Prepared:
     hashed: bool = False  # some of its blocks were hashed into the prefix cache
     load: TierLoad | None = None  # images' KV still loading from a lower tier into the sequence
     loaded: dict = field(default_factory=dict)  # key -> (Fetched, check): those images
+    compaction: Compaction | None = None  # compressed images: which tokens each layer still holds
+    compressed_from: int | None = None  # the first compressed image's start (later KV is compacted)
 
 
 class TierLoad:
@@ -160,9 +169,11 @@ class Executor:
             return namespace
         return Namespace(namespace.model_id + "\x00approximate-prefix", namespace.tenant)
 
-    def kv_check(self, span) -> tuple:
-        """What an image's KV record must match: its grid, token count and the model's depth."""
-        return (span.image.grid, span.length, self.runner.num_layers)
+    def kv_check(self, span, compression: CompressionSettings | None = None) -> tuple:
+        """What an image's KV record must match: its grid, token count and the model's depth, and
+        for a compressed record the compression settings it was made with."""
+        base = (span.image.grid, span.length, self.runner.num_layers)
+        return base if compression is None else (*base, ("compressed", compression))
 
     def prepare(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> Prepared:
         pool, runner = self.pool, self.runner
@@ -184,9 +195,13 @@ class Executor:
                 for slot in layout.images:
                     if slot.end <= adopted:
                         continue
-                    check = self.kv_check(prompt.images[slot.index])
+                    check = self.kv_check(prompt.images[slot.index], options.compression)
                     h = held.get(slot.key) or self.image_kv_store.get(slot.key, check=check)
-                    if h is None and slot.key not in loaded and self.transfer is not None:
+                    if h is not None and h.packed and slot.start < adopted:
+                        h = None  # a compressed record is spliced whole or not at all
+                    # Compacted layers need every spliced image in place before the step: no layer-by-layer loads.
+                    if (h is None and slot.key not in loaded and self.transfer is not None
+                            and options.compression is None):
                         got = self._fetch_lower(slot.key, namespace, check, m)
                         if got is not None:
                             loaded[slot.key] = (got, check)
@@ -202,11 +217,19 @@ class Executor:
             cached.update({k: CachedImage(int(got.kv.shape[2]), got.position) for k, (got, _) in loaded.items()})
             plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
                               cached=cached)
-            self._allocate(seq, prompt, adopted, plan, options)
+            compress = self.compressible(prompt, plan) if options.compression is not None else []
+            packed = [s for s in plan.spliced if layout.images[s.image].key in held
+                      and held[layout.images[s.image].key].packed]
+            compaction = self._compaction(packed, held, layout) if packed or compress else None
+            starts = [s.start for s in packed] + [start for start, _ in compress]
+            compressed_from = min(starts) if starts else None
+            self._allocate(seq, prompt, adopted, plan, options, compressed_from)
             hashed = options.register_prefix and (options.approximate_prefix or plan.exact_tokens > adopted)
             table = pool.block_table(seq)
             from_pool = [s for s in plan.spliced if layout.images[s.image].key in held]
-            if from_pool:  # every image the pool holds, re-rotated into place, in one call
+            if from_pool and (packed or (compaction is not None and compaction.active)):
+                self._splice_compacted(from_pool, held, layout, table, compaction)
+            elif from_pool:  # every image the pool holds, re-rotated into place, in one call
                 src = [self.image_kv_store.slots(held[layout.images[s.image].key], s.offset, s.length)
                        for s in from_pool]
                 dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in from_pool]
@@ -227,6 +250,9 @@ class Executor:
             step = self.sequence_step(prompt, plan, table, vit)
             if load is not None:
                 step.before_layer = load.before_layer
+            if compaction is not None:
+                step.compaction, step.compress, step.compression = compaction, compress, options.compression
+                self._freeze_packed(step, packed, compaction)
         except BaseException:
             if load is not None:
                 load.release()  # no copy may land in blocks freed below
@@ -243,7 +269,82 @@ class Executor:
         m.recomputed_token_layers = plan.recomputed_token_layers
         m.recompute_rates = plan.recompute_rates
         m.exact_tokens = plan.exact_tokens
-        return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded)
+        return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded, step.compaction,
+                        compressed_from)
+
+    @staticmethod
+    def compressible(prompt: Prompt, plan: ReusePlan) -> list[tuple[int, int]]:
+        """Image spans (start, length) a compressing request merges: the new images, which it
+        computes in full at every layer (reused KV after them moves to its compacted slots at the
+        stage: ``ModelRunner._compact``)."""
+        new = set(plan.vit_images) - {s.image for s in plan.spliced}
+        return [(s.start, s.length) for s in prompt.images if s.index in new and s.start >= plan.prefix_tokens]
+
+    def _compaction(self, packed, held: dict, layout: PromptLayout) -> Compaction:
+        """The compacted layers of a sequence that splices these compressed records: each record's
+        tokens a layer does not hold are gone from that layer on."""
+        compaction = Compaction(self.runner.num_layers)
+        for s in packed:
+            kept = held[layout.images[s.image].key].kept
+            for layer in range(1, len(kept)):
+                if kept[layer] is not kept[layer - 1]:
+                    compaction.remove(layer, s.start + np.setdiff1d(kept[layer - 1], kept[layer], assume_unique=True))
+        return compaction
+
+    def _splice_compacted(self, spans, held: dict, layout: PromptLayout, table: np.ndarray,
+                          compaction: Compaction) -> None:
+        """Splice images into a sequence with compacted layers: per layer, each image's rows (all of
+        them, or what a compressed record holds) go to that layer's compacted slots, keys re-rotated;
+        one fused call for all of them."""
+        runner, store, bs = self.runner, self.image_kv_store, self.pool.block_size
+        src, dst, deltas = [], [], []
+        for s in spans:
+            h = held[layout.images[s.image].key]
+            for layer in range(runner.num_layers):
+                if h.packed:
+                    offsets, rows = h.kept[layer], store.packed_rows(h, layer)
+                else:
+                    offsets = np.arange(s.offset, s.offset + s.length)
+                    rows = runner.flat_rows(layer, store.slots(h, s.offset, s.length))
+                where = compaction.slots(layer, s.start + offsets - s.offset)
+                src.append(rows)
+                dst.append(runner.flat_rows(layer, slot_ids(table, where, bs)))
+                deltas.append(np.full(rows.size, s.delta, dtype=np.int64))
+        runner.splice_flat(np.concatenate(src), np.concatenate(dst), np.concatenate(deltas))
+
+    @staticmethod
+    def _freeze_packed(step: SequenceStep, packed, compaction: Compaction) -> None:
+        """Recompute of a compressed record's tokens stops before its first compacted layer: an
+        anchor's hidden state there is the merge of tokens this turn does not compute."""
+        if not packed or not compaction.active:
+            return  # nothing compacted (keep 1.0): recompute as usual
+        first = next(layer for layer, r in enumerate(compaction.removed) if r.size)
+        frozen = np.concatenate([np.arange(s.start, s.end) for s in packed])
+        if not np.isin(frozen, step.rows).any():
+            return  # nothing of theirs recomputed
+        layer_rows = step.layer_rows if step.layer_rows is not None else [step.rows] * len(compaction.removed)
+        step.layer_rows = [rows if layer < first else np.setdiff1d(rows, frozen, assume_unique=True)
+                           for layer, rows in enumerate(layer_rows)]
+
+    def fork_prefilled(self, pre: Prepared) -> int:
+        """A sequence holding ``pre``'s prefill KV, to decode beside it. Compacted layers write a
+        decode token into earlier blocks than its position's, so from the first compressed block
+        on the fork gets copies of the blocks, not shared ones."""
+        if pre.compaction is None or not pre.compaction.active:
+            return self.pool.fork(pre.seq)
+        pool, bs = self.pool, self.pool.block_size
+        shared = pre.compressed_from // bs
+        fork = pool.share_blocks(pre.seq, 0, shared) if shared else pool.new_sequence()
+        try:
+            res = pool.append_slots(fork, pool.num_tokens(pre.seq) - shared * bs)
+            self.runner.copy_on_write(res.copies)
+            table = pool.block_table(fork)
+            source = pool.block_table(pre.seq)
+            self.runner.copy_on_write(np.stack([source[shared:], table[shared:]], axis=1))
+        except BaseException:
+            pool.free_sequence(fork)
+            raise
+        return fork
 
     def _fetch_lower(self, key, namespace: Namespace, check, m: TurnMetrics) -> Fetched | None:
         """An image's KV from the tiers below the pool (None: no tier has it)."""
@@ -282,9 +383,11 @@ class Executor:
         for key, (got, check) in loaded.items():
             lower.demote(namespace, key, got.kv, got.position, check)
 
-    def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions) -> None:
+    def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions,
+                  compressed_from: int | None = None) -> None:
         """Blocks for tokens ``[adopted, n)``: the exact part hashed into the prefix cache (if asked),
-        the approximate rest not (``append_slots`` makes the sequence uncacheable from there)."""
+        the approximate rest not (``append_slots`` makes the sequence uncacheable from there), nor
+        anything from the first compressed image on (its blocks hold compacted rows)."""
         pool, bs, n = self.pool, self.pool.block_size, len(prompt)
         need = -(-n // bs) - adopted // bs
         if need > pool.num_free_blocks():
@@ -296,6 +399,8 @@ class Executor:
                                 "or evictable")
         self._demote_for(need)
         exact_until = n if options.approximate_prefix else max(adopted, plan.exact_tokens)
+        if compressed_from is not None:
+            exact_until = max(adopted, min(exact_until, compressed_from))
         hash_until = exact_until if options.register_prefix else adopted
         if hash_until > adopted:
             res = pool.append_tokens(seq, prompt.token_ids[adopted:hash_until], prompt.extra_keys())
@@ -503,13 +608,24 @@ class Executor:
             self.discard_prepared(pre)
             raise
         self._return_loaded(self._finish_load(pre), pre.namespace)  # nothing registered: they go back down
+        self._note_compression(pre)
         return pre, logits
+
+    def _note_compression(self, pre: Prepared) -> None:
+        """Per-layer token counts of a compressed prefill, in its metrics."""
+        if pre.compaction is None:
+            return
+        m, n = pre.metrics, len(pre.prompt)
+        m.compressed_images = len(pre.step.compress or ())
+        m.layer_tokens = pre.compaction.tokens_per_layer(n)
+        m.visual_tokens_merged = n - m.layer_tokens[-1]
 
     # ---- stage 3 -------------------------------------------------------------------------------
     def register(self, pre: Prepared) -> None:
         """Keep the KV of every image this turn computed in full, or loaded whole from a lower
         tier (held in its blocks), for reuse at any position."""
         loaded = self._finish_load(pre)
+        self._note_compression(pre)
         if not (pre.options.store_images and pre.options.use_image_kv):
             self._return_loaded(loaded, pre.namespace)
             return
@@ -525,6 +641,10 @@ class Executor:
         for span in pre.prompt.images:
             if span.index in spliced or span.start < pre.plan.prefix_tokens:
                 continue  # its KV came from a cache: already held (or part of an adopted prefix)
+            if pre.compressed_from is not None and span.start >= pre.compressed_from:
+                if span.start in dict(pre.step.compress or ()):
+                    self._store_compressed(pre, span)
+                continue  # compacted rows from here on: not one image's KV at its own slots
             key, check = pre.namespace.key(span.image.content), self.kv_check(span)
             position = int(pre.prompt.positions[0, span.start])
             self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=check,
@@ -536,10 +656,30 @@ class Executor:
                                                   self.pool.block_size))
                 lower.publish(pre.namespace, key, kv, position, check)
 
+    def _store_compressed(self, pre: Prepared, span) -> None:
+        """Keep a compressed image's rows (what each layer holds), packed (``put_packed``)."""
+        runner, compaction, bs = self.runner, pre.compaction, self.pool.block_size
+        table = self.pool.block_table(pre.seq)
+        tokens = np.arange(span.start, span.end)
+        kept, sources = [], []
+        for layer in range(runner.num_layers):
+            held = compaction.kept(layer, tokens)
+            offsets = held - span.start
+            if kept and np.array_equal(kept[-1], offsets):
+                offsets = kept[-1]  # layers of one stage share one array
+            kept.append(offsets)
+            sources.append(runner.flat_rows(layer, slot_ids(table, compaction.slots(layer, held), bs)))
+        key = pre.namespace.key(span.image.content)
+        self.image_kv_store.put_packed(key, tuple(kept), np.concatenate(sources), span.length,
+                                       int(pre.prompt.positions[0, span.start]), runner.copy_rows,
+                                       check=self.kv_check(span, pre.options.compression), namespace=pre.namespace)
+
     # ---- decode ----------------------------------------------------------------------------------
-    def decode_step(self, seq: int, token: int, position: int, hashed: bool) -> SequenceStep:
+    def decode_step(self, seq: int, token: int, position: int, hashed: bool,
+                    compaction: Compaction | None = None) -> SequenceStep:
         """Append ``token`` to ``seq`` (hashed into the prefix cache if ``hashed`` and the sequence
-        is still exact) at M-RoPE position ``position``: the row a decode step computes."""
+        is still exact) at M-RoPE position ``position``: the row a decode step computes.
+        ``compaction``: the sequence's compacted layers (its prefill's :attr:`Prepared.compaction`)."""
         r, pool = self.runner, self.pool
         if pool.num_tokens(seq) % pool.block_size == 0:
             self._demote_for(1)  # this token opens a block
@@ -548,7 +688,7 @@ class Executor:
         n = pool.num_tokens(seq)
         return SequenceStep(rows=np.array([n - 1]), embeds=None, token_ids=np.array([token]),
                             positions=torch.full((3, 1), position, dtype=torch.int64),
-                            block_table=pool.block_table(seq), num_kv_tokens=n)
+                            block_table=pool.block_table(seq), num_kv_tokens=n, compaction=compaction)
 
     # ---- failures --------------------------------------------------------------------------------
     def _finish_load(self, pre: Prepared) -> dict:

@@ -46,6 +46,9 @@ class TurnMetrics:
     kv_bytes: int = 0  # KV of this turn's sequence in the pool
     kv_pool_bytes: int = 0  # pool blocks in use or cached at the end of the turn (before it is freed)
     image_kv_store_bytes: int = 0  # all images' KV held for reuse
+    compressed_images: int = 0  # images whose visual tokens were merged into anchors
+    visual_tokens_merged: int = 0  # tokens the last layer no longer holds (merged into anchors)
+    layer_tokens: list[int] = field(default_factory=list)  # with compression: tokens each layer holds
     decode_tokens: int = 0
     decode_tokens_per_s: float = 0.0
     fidelity: Fidelity | None = None

@@ -206,15 +206,82 @@ class ModelRunner:
             out, _ = ops.sparse_attention(q, sub.meta, self.k_cache[l], self.v_cache[l],
                                           scale=float(attn.scaling), window=self.windows[l])
             x = x + linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x = x + self._mlp(l, layer.post_attention_layernorm(x))
+            normed = layer.post_attention_layernorm(x)
+            stage = [job for job in batch.compress_jobs if l in job.settings.layers]
+            # The stage's scores: the router logits of this layer (computed again for the image rows only).
+            logits = [self.router_logits(l, normed.index_select(0, job.rows if rows is None else
+                                                               torch.searchsorted(rows, job.rows)))
+                      for job in stage]
+            x = x + self._mlp(l, normed)
             if batch.deepstack_features is not None and l < len(batch.deepstack_features) and sub.deepstack_visual.numel():
                 x = x.index_add(0, sub.deepstack_visual, batch.deepstack_features[l].index_select(0, sub.deepstack_index))
             if rows is None:
                 h = x
             else:
                 h.index_copy_(0, rows, x)
+            if stage:
+                for job, job_logits in zip(stage, logits):
+                    self._merge(l, batch, job, job_logits, h)
+                batch.replan(l + 1)
         last = self.text.norm(h.index_select(0, batch.logit_rows))
         return linear(last, self.lm_head.weight, self.lm_head.bias).float()
+
+    def router_logits(self, l: int, normed: torch.Tensor) -> torch.Tensor:
+        """Router logits [m, experts] of MoE layer ``l`` for post-attention-normed rows."""
+        gate = getattr(self.layers[l].mlp, "gate", None)
+        if gate is None or not hasattr(gate, "weight"):
+            raise UnsupportedModel(f"layer {l} has no MoE router: visual-token compression scores tokens with "
+                                   "router logits")
+        return linear(normed, gate.weight, None)
+
+    def _merge(self, l: int, batch: StepBatch, job, logits: torch.Tensor, h: torch.Tensor) -> None:
+        """A compression stage at layer ``l`` for one image: anchors and merge plan from the router
+        logits, anchors' hidden states (and DeepStack features of later layers) merged by weighted
+        average, the other tokens gone from layer ``l + 1`` on."""
+        from samcache.compression import RouterScores, anchor_count, plan_stage
+
+        keep = job.settings.keep_at(l)
+        if anchor_count(job.positions.size, keep) == job.positions.size:
+            return  # every token an anchor: nothing merges (keep 1.0 computes exactly what no compression does)
+        plan = plan_stage(RouterScores.from_logits(logits.float().cpu()), job.coords, keep,
+                          spread=job.settings.spread)
+        merged, kept = plan.merge(h.index_select(0, job.rows))
+        kept_rows = job.rows.index_select(0, kept.to(job.rows.device))
+        h.index_copy_(0, kept_rows, merged)
+        if batch.deepstack_features is not None and batch.deepstack_rows is not None:
+            feature_rows = torch.from_numpy(batch.deepstack_rows[job.rows.cpu().numpy()]).to(h.device)
+            for later in range(l + 1, len(batch.deepstack_features)):
+                features = batch.deepstack_features[later]
+                got, _ = plan.merge(features.index_select(0, feature_rows))
+                features.index_copy_(0, feature_rows.index_select(0, kept.to(h.device)), got)
+        keep_mask = np.zeros(job.positions.size, dtype=bool)
+        keep_mask[kept.cpu().numpy()] = True
+        self._compact(job, l + 1, job.positions[~keep_mask])
+        job.rows, job.positions, job.coords = kept_rows, job.positions[keep_mask], job.coords[kept.cpu()]
+
+    def _compact(self, job, first_layer: int, removed: np.ndarray) -> None:
+        """Remove ``removed`` from the sequence's layers ``first_layer`` on, moving the KV those
+        layers already hold after them (spliced images, an earlier record) to the new compacted
+        slots; rows this step still computes there are written at their new slots anyway."""
+        compaction = job.compaction
+        after = job.prior[job.prior > removed.min()]
+        if not after.size:  # nothing written before this step lies after them
+            compaction.remove(first_layer, removed)
+            return
+        layers = range(first_layer, self.num_layers)
+        held = {layer: compaction.kept(layer, after) for layer in layers}
+        old = {layer: compaction.slots(layer, held[layer]) for layer in layers}
+        compaction.remove(first_layer, removed)
+        src, dst = [], []
+        for layer in layers:
+            stay = ~np.isin(held[layer], removed)
+            new = compaction.slots(layer, held[layer][stay])
+            moved = new != old[layer][stay]
+            if moved.any():
+                src.append(self.flat_rows(layer, slot_ids(job.block_table, old[layer][stay][moved], self.block_size)))
+                dst.append(self.flat_rows(layer, slot_ids(job.block_table, new[moved], self.block_size)))
+        if src:
+            self.copy_rows(np.concatenate(src), np.concatenate(dst))  # gathered first: overlaps are safe
 
     # ---- the paged caches of all layers ---------------------------------------------------------
     def slot_tensor(self, block_table: np.ndarray, index: np.ndarray) -> torch.Tensor:
@@ -267,6 +334,18 @@ class ModelRunner:
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         return self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
+    def flat_rows(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """Rows of layer ``layer``'s ``slots`` in the flat [layers * blocks * block_size] view."""
+        return np.asarray(slots, dtype=np.int64) + layer * self.num_blocks * self.block_size
+
+    def copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy K and V at flat rows ``src`` to flat rows ``dst`` (any layers: packed records)."""
+        src_t = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.device)
+        dst_t = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
+
     def splice(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray,
                layers: Sequence[int] | None = None) -> None:
         """Copy the KV at ``src_slots`` to ``dst_slots`` in every layer (or in ``layers``), each
@@ -278,9 +357,23 @@ class ModelRunner:
         count = self.num_layers if layers is None else len(layers)
         src = self._all_layers(torch.as_tensor(src_slots, dtype=torch.int64, device=self.device), layers)
         dst = self._all_layers(torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device), layers)
+        self.splice_flat(src, dst, torch.as_tensor(np.asarray(deltas, dtype=np.int64), device=self.device).repeat(count))
+
+    def splice_flat(self, src: np.ndarray | torch.Tensor, dst: np.ndarray | torch.Tensor,
+                    deltas: np.ndarray | torch.Tensor) -> None:
+        """:meth:`splice` with explicit flat rows (layer-major view): row ``src[i]`` goes to
+        ``dst[i]`` (both in the same layer's terms: the key rotation does not depend on the layer),
+        its key re-rotated by ``deltas[i]``."""
+        src = torch.as_tensor(np.asarray(src, dtype=np.int64) if isinstance(src, np.ndarray) else src,
+                              dtype=torch.int64, device=self.device)
+        dst = torch.as_tensor(np.asarray(dst, dtype=np.int64) if isinstance(dst, np.ndarray) else dst,
+                              dtype=torch.int64, device=self.device)
+        if not src.numel():
+            return
         shape = (-1, self.num_kv_heads, self.head_dim)
         keys = self.k_cache.view(shape).index_select(0, src)  # a copy: the op refuses views of its cache
-        per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64), device=self.device).repeat(count)
+        per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64) if isinstance(deltas, np.ndarray) else deltas,
+                                  dtype=torch.int64, device=self.device)
         deltas = per_row.expand(3, -1).contiguous()  # the same shift on all three M-RoPE axes
         flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         ops.rope_rerotate_write(keys, deltas, self.inv_freq, self.family.rope_style, self.mrope_section, flat_k, dst)

@@ -117,7 +117,7 @@ class Scheduler:
                     try:
                         steps.append(ex.decode_step(st.prepared.seq, st.tokens[-1],
                                                     adm.prompt.next_position + len(st.tokens) - 1,
-                                                    adm.options.register_prefix))
+                                                    adm.options.register_prefix, st.prepared.compaction))
                         owners.append(i)
                     except Exception as e:  # noqa: BLE001 - e.g. the pool is full: this request fails
                         self._drop(running.pop(i), adm)
@@ -145,7 +145,7 @@ class Scheduler:
                             pre = prefilling.pop(i)
                             pre.metrics.ttft_s = now - adm.arrival
                             keep = adm.keep_prefill  # else no view of the step's logits outlives the step
-                            fork = ex.pool.fork(pre.seq) if keep else None
+                            fork = ex.fork_prefilled(pre) if keep else None
                             running[i] = _Running(pre, logits[row].clone() if keep else None, [token], now, fork)
                             ex.register(pre)
                         else:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from samcache.compression.compaction import Compaction
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache._checks import check_int
 from samcache.engine.metrics import Fidelity, greedy_agreement, next_token_fidelity
@@ -34,15 +35,20 @@ def reference_prefill(executor: Executor, prompt: Prompt, model_id: str,
 
 
 def greedy_decode(executor: Executor, seqs: Sequence[int], first: Sequence[int], position: int,
-                  n_tokens: int) -> list[list[int]]:
+                  n_tokens: int, compactions: Sequence[Compaction | None] | None = None) -> list[list[int]]:
     """Greedy tokens from ``first[i]`` on for each sequence (none hashed), batched per step:
-    ``n_tokens`` per sequence, ``first`` included."""
+    ``n_tokens`` per sequence, ``first`` included. ``compactions``: each sequence's compacted
+    layers (compressed prefills), None for none."""
     check_int("n_tokens", n_tokens, 1)
     if len(seqs) != len(first):
         raise ValueError(f"one first token per sequence: {len(seqs)} sequences, {len(first)} tokens")
+    compactions = [None] * len(seqs) if compactions is None else list(compactions)
+    if len(compactions) != len(seqs):
+        raise ValueError(f"one compaction (or None) per sequence: {len(seqs)} sequences, {len(compactions)} given")
     tokens = [[t] for t in first]
     for step in range(n_tokens - 1):
-        steps = [executor.decode_step(seq, toks[-1], position + step, hashed=False) for seq, toks in zip(seqs, tokens)]
+        steps = [executor.decode_step(seq, toks[-1], position + step, hashed=False, compaction=c)
+                 for seq, toks, c in zip(seqs, tokens, compactions)]
         logits = executor.forward(steps)
         for toks, row in zip(tokens, logits):
             toks.append(int(row.argmax()))
@@ -50,9 +56,10 @@ def greedy_decode(executor: Executor, seqs: Sequence[int], first: Sequence[int],
 
 
 def measure_fidelity(executor: Executor, prompt: Prompt, logits: torch.Tensor, fork: int, n_tokens: int, *,
-                     model_id: str, vit_namespace: Namespace) -> Fidelity | None:
-    """The turn (next-token ``logits``, its prefill KV kept in ``fork``, which this frees) against
-    a full prefill. None, with a warning, when the reference does not fit the pool."""
+                     model_id: str, vit_namespace: Namespace, compaction: Compaction | None = None) -> Fidelity | None:
+    """The turn (next-token ``logits``, its prefill KV kept in ``fork``, which this frees;
+    ``compaction``: the turn's compacted layers) against a full prefill without compression. None,
+    with a warning, when the reference does not fit the pool."""
     try:
         check_int("n_tokens", n_tokens, 1)
         ref, ref_logits = reference_prefill(executor, prompt, model_id, vit_namespace)
@@ -66,7 +73,7 @@ def measure_fidelity(executor: Executor, prompt: Prompt, logits: torch.Tensor, f
     try:
         kl, top1 = next_token_fidelity(ref_logits, logits)
         mine, theirs = greedy_decode(executor, [fork, ref.seq], [int(logits.argmax()), int(ref_logits.argmax())],
-                                     prompt.next_position, n_tokens)
+                                     prompt.next_position, n_tokens, [compaction, None])
     except OutOfBlocks as e:  # the turn itself succeeded: keep it, skip the comparison
         warnings.warn(f"fidelity not measured: its greedy decodes do not fit the pool ({e})", stacklevel=3)
         return None

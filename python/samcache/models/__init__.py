@@ -20,6 +20,18 @@ PRESETS: dict[str, dict] = {
     # The CPU comparison against vLLM (docs/benchmark.md): 4 layers, hidden 256, 4 heads over 2 KV
     # heads of 64 dims (the layout of the measurement in the project's anchors), 4.0 M parameters.
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768),
+    # Visual-token compression on the CPU (qwen3_vl_moe): deep enough for the seed's three stages
+    # (layers 0 / 2 / 4 of 12), 8 experts, top-2.
+    "moe-small": dict(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
+    # Qwen3-VL-30B-A3B's sizes (qwen3_vl_moe), random weights: for a GPU.
+    "qwen3-vl-30b-a3b": dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        mrope_section=[24, 20, 20],
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                           deepstack_visual_indexes=[8, 16, 24]),
+    ),
     "qwen2.5-vl-7b": dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, max_window_layers=28, mrope_section=[16, 24, 24],

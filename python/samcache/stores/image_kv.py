@@ -18,6 +18,13 @@ room for its own blocks can never evict them between lookup and splice.
 Bytes held per image token: the image's blocks, including the text tokens sharing its first and
 last block, over its tokens (``bytes_per_token``); with 16-token blocks a 1,196-token screenshot
 holds 1.03x one copy of its KV.
+
+A compressed image (visual-token compression) holds different tokens at different layers: every
+token before the first stage, fewer after each. It is kept *packed* (:meth:`put_packed`): its
+rows of all layers, one after another, copied into as few blocks of its own as they fill, any
+layer's storage of a block taking any layer's row (a block holds ``num_layers x block_size`` rows).
+At 25% of the tokens kept from early layers on, that is about a third of the blocks of the whole
+image. Packed records are not demoted to the tiers below (they are dropped, and recomputed).
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ class HeldImage:
     key: ContentKey | None = None  # what demotion needs: where it belongs and what it was made from
     namespace: Namespace | None = None
     check: Any = None
+    kept: tuple[np.ndarray, ...] | None = None  # packed (compressed): per layer, the image's tokens it holds
+
+    @property
+    def packed(self) -> bool:
+        return self.kept is not None
+
+    def layer_rows(self, num_layers: int) -> int:
+        """(token, layer) rows of KV this record holds: ``length * num_layers`` unless packed."""
+        return self.length * num_layers if self.kept is None else sum(int(k.size) for k in self.kept)
 
 
 class ImageKVStore:
@@ -77,10 +93,30 @@ class ImageKVStore:
     def __contains__(self, key: ContentKey) -> bool:
         return key in self.entries
 
+    def packed_rows(self, held: HeldImage, layer: int) -> np.ndarray:
+        """Flat row ids (in the ``[layers * blocks * block_size]`` view of the caches) of a packed
+        image's rows of ``layer``, in the order of ``held.kept[layer]``."""
+        if not isinstance(held, HeldImage) or not held.packed:
+            raise TypeError("packed_rows needs a packed HeldImage (from get)")
+        start = sum(int(k.size) for k in held.kept[:layer])
+        return self._packed_flat(self.pool.block_table(held.seq), len(held.kept),
+                                 np.arange(start, start + held.kept[layer].size))
+
+    def _packed_flat(self, table: np.ndarray, num_layers: int, rows: np.ndarray) -> np.ndarray:
+        """Where packed row ``rows[i]`` lives: block ``rows // (layers * bs)`` of ``table``, in the
+        storage of layer ``(rows // bs) % layers`` of that block, slot ``rows % bs``."""
+        bs = self.pool.block_size
+        per_block = num_layers * bs
+        block = table[rows // per_block].astype(np.int64)
+        part = (rows % per_block) // bs
+        return part * (self.pool.num_blocks * bs) + block * bs + rows % bs
+
     def slots(self, held: HeldImage, first: int, count: int) -> np.ndarray:
         """KV slot ids (int64) of the image's tokens ``[first, first + count)``."""
         if not isinstance(held, HeldImage):
             raise TypeError(f"held must be a HeldImage (from get), got {type(held).__name__}")
+        if held.packed:
+            raise ValueError("a packed (compressed) image has no per-token slots: read it with packed_rows")
         check_int("first", first, 0)
         check_int("count", count, 0)
         if first + count > held.length:
@@ -106,6 +142,35 @@ class ImageKVStore:
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
         return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check), size)
+
+    def put_packed(self, key: ContentKey, kept: tuple[np.ndarray, ...], source_rows: np.ndarray, length: int,
+                   position: int, copy_rows: Callable[[np.ndarray, np.ndarray], None], check: Any = None,
+                   namespace: Namespace | None = None) -> bool:
+        """Hold a compressed image: ``kept[l]`` (ascending token offsets within the image) are the
+        tokens layer ``l`` holds, ``source_rows`` their flat rows in the caches now (layer by layer,
+        in that order); ``copy_rows(src, dst)`` copies flat rows. False if the key is present, the
+        record exceeds the capacity or the pool has no free blocks for it."""
+        check_int("length", length, 1)
+        check_int("position", position, 0)
+        total = sum(int(k.size) for k in kept)
+        if source_rows.shape != (total,):
+            raise ValueError(f"source_rows must hold the {total} kept rows, got {source_rows.shape}")
+        if key in self.entries:
+            return False
+        per_block = len(kept) * self.pool.block_size
+        blocks = -(-total // per_block)
+        size = blocks * self.block_bytes
+        if size > self.entries.index.capacity_bytes or blocks > self.pool.num_free_blocks():
+            self.entries.stats.rejected += 1
+            return False
+        holder = self.pool.new_sequence()
+        try:
+            self.pool.append_slots(holder, blocks * self.pool.block_size)
+            copy_rows(source_rows, self._packed_flat(self.pool.block_table(holder), len(kept), np.arange(total)))
+        except BaseException:
+            self.pool.free_sequence(holder)
+            raise
+        return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept)), size)
 
     def _keep(self, held: HeldImage, size: int) -> bool:
         """Insert ``held`` (whose holder sequence is live) as an entry of ``size`` bytes; its holder
@@ -136,7 +201,7 @@ class ImageKVStore:
     def _let_go(self, held: HeldImage) -> None:
         """An entry leaves the store: demote its KV one tier down (if there is one), free its holder."""
         try:
-            if self.lower is not None and held.key is not None and held.namespace is not None:
+            if self.lower is not None and held.key is not None and held.namespace is not None and not held.packed:
                 kv = self._read_kv(self.slots(held, 0, held.length))
                 self.lower.demote(held.namespace, held.key, kv, held.position, held.check)
         finally:
@@ -176,6 +241,11 @@ class ImageKVStore:
     def check_invariants(self) -> None:
         self.entries.check_invariants()
         for held in self.entries.payloads():
+            if held.packed:
+                need = sum(int(k.size) for k in held.kept)
+                if self.pool.num_tokens(held.seq) * len(held.kept) < need:
+                    raise InvariantViolation(f"packed image KV holder {held.seq} is smaller than its rows")
+                continue
             if self.pool.num_tokens(held.seq) < held.offset + held.length:
                 raise InvariantViolation(f"image KV holder {held.seq} is shorter than its image")
 
