@@ -227,3 +227,25 @@ def test_peer_launcher_checks_its_arguments_before_starting_vllm():
         run_trace([[{"role": "robot", "content": "x"}]], "/model")
     with pytest.raises(PeerUnavailable, match="'' is not an executable Python"):
         find_vllm_python("")
+
+
+def test_compression_sweep_runs_every_mode_per_keep_ratio(tiny_checkpoints, tmp_path):
+    from samcache.benchmark import parse_keeps
+
+    trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
+    res = run_benchmark(trace, tiny_checkpoints["qwen3_vl_moe"], modes=["baseline", "samcache"],
+                        compression=[1.0, 0.5], fidelity_tokens=2, calibrate=False, progress=False)
+    by = {r["name"]: r for r in res["runs"]}
+    assert list(by) == ["baseline@keep1", "baseline@keep0.5", "samcache@keep1", "samcache@keep0.5"]
+    assert by["baseline@keep1"]["summary"]["kv_rows_fraction"] == 1.0
+    assert by["baseline@keep1"]["summary"]["fidelity"]["kl_median"] == 0.0  # keep 1 computes exactly the same
+    assert by["baseline@keep0.5"]["summary"]["kv_rows_fraction"] < 1.0
+    assert by["samcache@keep0.5"]["summary"]["image_kv_rows_fraction"] < 1.0
+    assert [t["prefilled_tokens"] for t in by["samcache@keep0.5"]["turns"]] == \
+        [t["prefilled_tokens"] for t in by["samcache@keep1"]["turns"]]  # the same reuse, compressed
+    report = write_report(res, tmp_path).read_text()
+    assert "### Visual-token compression" in report and "`samcache@keep0.5`" in report
+    assert (tmp_path / "compression.png").exists()
+    for bad in ("0", "1.5", "x", ""):
+        with pytest.raises(ValueError, match="keep"):
+            parse_keeps(bad)
