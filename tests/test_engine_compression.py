@@ -319,3 +319,25 @@ def test_a_stage_moves_the_kv_layers_already_hold_to_their_compacted_slots(plain
                 torch.testing.assert_close(got, kv[layer, i, held], rtol=0, atol=0)
     finally:
         pool.free_sequence(seq)
+
+
+@pytest.mark.parametrize("kw", [dict(prefix_reuse="approximate"), dict(kv_cache_bytes=2 << 20),
+                                dict(host_kv_cache_bytes=8 << 20), dict(recompute_ratio=1.0)],
+                         ids=["approximate-prefix", "small-pool", "host-tier", "full-recompute"])
+def test_compression_with_sessions_forks_and_other_engine_options(moe, kw):
+    """Held sessions, forks, fidelity forks and a small pool: turns succeed (a fidelity copy that
+    does not fit is skipped, not fatal) and the pool stays consistent."""
+    import warnings
+
+    engine = make_engine(moe, compression_enabled=True, compression_keep=0.25, **kw)
+    session = engine.new_session("sys", hold_context=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a skipped fidelity measurement in the small pool
+        for t in range(4):
+            r = engine.chat(images=[screenshot(50 + t % 2, SIZE), screenshot(60 + t, SIZE)], prompt=f"turn {t}",
+                            session=session, max_new_tokens=3, fidelity=t == 2)
+            assert r.metrics.compressed_images >= 1
+        fork = engine.fork_session(session)
+        engine.chat(images=[screenshot(51, SIZE)], prompt="fork", session=fork, max_new_tokens=2)
+    engine.abandon_session(fork)
+    engine.check_invariants()

@@ -37,7 +37,7 @@ from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
 from samcache.engine.runner import ModelRunner
-from samcache.errors import PromptTooLong
+from samcache.errors import OutOfBlocks, PromptTooLong
 from samcache.hashing import Namespace
 from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
@@ -334,6 +334,11 @@ class Executor:
             return self.pool.fork(pre.seq)
         pool, bs = self.pool, self.pool.block_size
         shared = pre.compressed_from // bs
+        need = len(pool.block_table(pre.seq)) - shared
+        if need > pool.num_free_blocks():
+            self.image_kv_store.evict_for_blocks(need)
+        if need > pool.num_free_blocks():
+            raise OutOfBlocks(f"a copy of the compressed prefill needs {need} blocks, {pool.num_free_blocks()} are free")
         fork = pool.share_blocks(pre.seq, 0, shared) if shared else pool.new_sequence()
         try:
             res = pool.append_slots(fork, pool.num_tokens(pre.seq) - shared * bs)

@@ -14,6 +14,7 @@ request's blocks before it propagates, so the pool and stores stay consistent.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from samcache._checks import check_int
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.prompt import Prompt
 from samcache.engine.sampling import Sampler
+from samcache.errors import OutOfBlocks
 from samcache.hashing import Namespace
 
 
@@ -145,7 +147,7 @@ class Scheduler:
                             pre = prefilling.pop(i)
                             pre.metrics.ttft_s = now - adm.arrival
                             keep = adm.keep_prefill  # else no view of the step's logits outlives the step
-                            fork = ex.fork_prefilled(pre) if keep else None
+                            fork = self._fork(pre) if keep else None
                             running[i] = _Running(pre, logits[row].clone() if keep else None, [token], now, fork)
                             ex.register(pre)
                         else:
@@ -167,6 +169,15 @@ class Scheduler:
                 self._drop(st, admissions[i])
             raise
         return results  # type: ignore[return-value]
+
+    def _fork(self, pre: Prepared) -> int | None:
+        """A fork of the prefill for a comparison after the turn; None, with a warning, when it
+        does not fit the pool (the turn itself goes on)."""
+        try:
+            return self.executor.fork_prefilled(pre)
+        except OutOfBlocks as e:
+            warnings.warn(f"fidelity not measured: no room for a copy of the prefill ({e})", stacklevel=2)
+            return None
 
     def _finish(self, st: _Running, adm: Admission, now: float, last: int) -> Finished:
         ex, pre = self.executor, st.prepared
