@@ -233,7 +233,7 @@ def test_engine_demotes_by_its_policy(model, tmp_path):
     assert _small_store({"host_kv_cache_bytes": 64 << 20}, model).lower_tiers.priority_of is None
 
 
-def test_evicted_prefix_blocks_come_back_from_host_memory(model):
+def test_evicted_prefix_blocks_come_back_from_host_memory(model, tmp_path):
     """A pool too small for two agents' contexts: the first agent's blocks are evicted by the
     second's turn; with the prefix tier they come back, and the tokens equal a roomy engine's."""
     def role(i):
@@ -263,6 +263,54 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(model):
     tiered_engine.check_invariants()
     with pytest.raises(ValueError, match="host_prefix_cache_bytes"):
         make_engine(model, host_prefix_cache_bytes=-1)
+
+    # Host memory for one block only: the rest spill to disk (lossless) and come back from there.
+    disk_engine = make_engine(model, num_blocks=int(blocks * 1.5), host_prefix_cache_bytes=probe.runner.block_bytes,
+                              disk_kv_cache_dir=tmp_path, disk_prefix_cache_bytes=64 << 20)
+    on_disk = run(disk_engine)
+    stats = disk_engine.executor.prefix_tier.stats
+    assert stats["spilled"] > 0 and stats["restored_from_disk"] > 0
+    assert on_disk[2].metrics.prefix_reused_tokens == roomy[2].metrics.prefix_reused_tokens
+    assert on_disk[2].token_ids == roomy[2].token_ids
+    for f in (tmp_path / "prefix-blocks").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    disk_engine.check_invariants()
+    with pytest.raises(ValueError, match="host_prefix_cache_bytes > 0"):
+        make_engine(model, disk_kv_cache_dir=tmp_path, disk_prefix_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="need disk_kv_cache_dir"):
+        make_engine(model, host_prefix_cache_bytes=1 << 20, disk_prefix_cache_bytes=1 << 20)
+
+
+def test_vit_outputs_the_cache_lets_go_come_back_from_disk(model, tmp_path):
+    """A ViT cache holding one image: the other's ViT output spills to disk and is read back
+    instead of running the vision tower again; the logits equal a fresh engine's."""
+    a, b = screenshot(71, SIZE), screenshot(72, SIZE)
+    probe = make_engine(model)
+    out = probe.executor
+    prompt = probe.build_prompt([user_message([a], "first")])
+    one = sum(t.numel() * t.element_size() for t in [out.runner.encode_images(*_pixels(probe, a))[0][0]])
+    engine = make_engine(model, vit_cache_bytes=one + one // 2, image_kv_cache=False, prefix_cache=False,
+                         disk_kv_cache_dir=tmp_path, disk_vit_cache_bytes=64 << 20)
+    engine.chat(images=[a], prompt="first", max_new_tokens=1)
+    engine.chat(images=[b], prompt="second", max_new_tokens=1)  # a's ViT output goes to disk
+    assert len(list((tmp_path / "vit").iterdir())) >= 1
+    pre, logits = engine.prefill(prompt)
+    engine.pool.free_sequence(pre.seq)
+    assert pre.metrics.vit_disk_hits == 1 and pre.metrics.vit_calls == 0
+    ref_pre, ref = probe.prefill(prompt)
+    probe.pool.free_sequence(ref_pre.seq)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="need disk_kv_cache_dir"):
+        make_engine(model, disk_vit_cache_bytes=1 << 20)
+
+
+def _pixels(engine, image):
+    from samcache.engine.images import prepare_image
+
+    prepared = prepare_image(image, engine.geometry, engine._preprocess)
+    inputs = engine.processor.image_processor(images=[prepared.pixels], return_tensors="pt",
+                                              input_data_format="channels_last")
+    return inputs["pixel_values"], inputs["image_grid_thw"]
 
 
 def test_a_full_disk_drops_the_item_cleanly(tmp_path, monkeypatch):

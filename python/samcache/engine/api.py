@@ -160,7 +160,10 @@ class SAMcacheEngine:
     hit. ``eviction_policy`` ("lru", "priority-lru", "workflow", "attention", with
     ``eviction_options``) decides what goes first; with "workflow" and a tier below the pool, after
     every batch of turns a worker thread brings what the agents of the next ``prefetch_horizon``
-    steps need up into host memory (0: no prefetch; :meth:`prefetch`).
+    steps need up into host memory (0: no prefetch; :meth:`prefetch`). Beside them, in
+    ``disk_kv_cache_dir``: ``disk_vit_cache_bytes`` of ViT outputs the ViT cache lets go and
+    ``disk_prefix_cache_bytes`` of prefix blocks the host prefix tier (``host_prefix_cache_bytes``)
+    cannot keep, both lossless.
     """
 
     def __init__(
@@ -202,6 +205,8 @@ class SAMcacheEngine:
         remote_kv_store: RemoteStore | None = None,
         prefetch_horizon: int = 2,
         host_prefix_cache_bytes: int = 0,
+        disk_vit_cache_bytes: int = 0,
+        disk_prefix_cache_bytes: int = 0,
     ) -> None:
         if not isinstance(compression_enabled, bool):
             raise TypeError(f"compression_enabled must be a bool, got {compression_enabled!r}")
@@ -288,7 +293,21 @@ class SAMcacheEngine:
         self._warned_uniform = False
         self._solved: dict = {}
         pool_bytes = self.runner.num_blocks * self.runner.block_bytes
-        self.vit_store = TensorStore("vit", vit_cache_bytes)
+        check_int("disk_vit_cache_bytes", disk_vit_cache_bytes, 0)
+        check_int("disk_prefix_cache_bytes", disk_prefix_cache_bytes, 0)
+        if (disk_vit_cache_bytes or disk_prefix_cache_bytes) and disk_kv_cache_dir is None:
+            raise ValueError("disk_vit_cache_bytes and disk_prefix_cache_bytes need disk_kv_cache_dir (their files go "
+                             "in its vit/ and prefix-blocks/ folders)")
+        if disk_prefix_cache_bytes and not host_prefix_cache_bytes:
+            raise ValueError("disk_prefix_cache_bytes needs host_prefix_cache_bytes > 0: prefix blocks reach the disk "
+                             "when host memory cannot keep them")
+        # Items on disk beside image KV are framed under the model's id (their keys already carry the tenant).
+        disk_namespace = Namespace(self.model_id, "samcache/disk")
+        vit_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "vit", disk_vit_cache_bytes, qtype=None)
+                    if disk_vit_cache_bytes and self.use_vit_cache else None)
+        self.vit_store = TensorStore("vit", vit_cache_bytes,
+                                     spill=None if vit_disk is None else lambda k, out, grid: self.executor.spill_vit(
+                                         k, out, grid))
         self.lower_tiers = None
         if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None or remote_kv_store is not None):
             disk = (DiskTier(disk_kv_cache_dir, disk_kv_cache_bytes, qtype=cold_kv_qtype, block_size=block_size)
@@ -301,9 +320,13 @@ class SAMcacheEngine:
                                            read_kv=self.runner.read_kv)
         self.contexts = ContextTree(self.pool)
         check_int("host_prefix_cache_bytes", host_prefix_cache_bytes, 0)
-        prefix_tier = PrefixTier(host_prefix_cache_bytes) if host_prefix_cache_bytes and self.use_prefix else None
+        prefix_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "prefix-blocks", disk_prefix_cache_bytes, qtype=None)
+                       if disk_prefix_cache_bytes and self.use_prefix else None)
+        prefix_tier = (PrefixTier(host_prefix_cache_bytes, disk=prefix_disk, namespace=disk_namespace)
+                       if host_prefix_cache_bytes and self.use_prefix else None)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
-                                 image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier)
+                                 image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier,
+                                 vit_disk=vit_disk, disk_namespace=disk_namespace)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
         self.eviction_policy = policy
         # Plain LRU is the pool's and the stores' own order: nothing to track or write.

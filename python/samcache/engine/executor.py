@@ -142,7 +142,7 @@ class Executor:
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
                  image_kv_store: ImageKVStore, contexts: ContextTree | None = None,
-                 prefix_tier: PrefixTier | None = None) -> None:
+                 prefix_tier: PrefixTier | None = None, vit_disk=None, disk_namespace: Namespace | None = None) -> None:
         self.runner = runner
         self.pool = pool
         self.processor = processor
@@ -150,6 +150,8 @@ class Executor:
         self.image_kv_store = image_kv_store
         self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
         self.prefix_tier = prefix_tier  # evicted prefix blocks' KV in host memory, by prefix hash
+        self.vit_disk = vit_disk  # ViT outputs the ViT cache let go (a DiskTier), framed under disk_namespace
+        self.disk_namespace = disk_namespace
         # Hits in the tiers below the pool load into the sequence layer by layer (TierLoad).
         self.transfer = (TransferEngine(runner.k_cache, runner.v_cache)
                          if image_kv_store.lower is not None else None)
@@ -471,6 +473,12 @@ class Executor:
             span = prompt.images[i]
             key = namespace.key(span.image.content)
             hit = self.vit_store.get(key, check=span.image.grid) if options.use_vit else None
+            if hit is None and options.use_vit and self.vit_disk is not None:
+                hit = self._disk_vit(key, span)
+                if hit is not None:
+                    m.vit_disk_hits += 1
+                    if options.store_vit:
+                        self.vit_store.put(key, hit, check=span.image.grid)
             if hit is None and remote is not None:  # another instance may have encoded it
                 hit = self._remote_vit(remote, namespace, key, span)
                 if hit is not None:
@@ -500,17 +508,29 @@ class Executor:
                 remote.put_tensors(namespace, namespace.key(span.image.content), "vit", [out[0], *out[1]],
                                    {"check": [int(v) for v in span.image.grid]})
 
-    def _remote_vit(self, remote, namespace: Namespace, key, span) -> tuple | None:
-        """An image's ViT output from the shared store, if its record (patch grid) and shape match."""
-        got = remote.get_tensors(namespace, key, "vit")
+    def spill_vit(self, key, out: tuple, grid) -> None:
+        """A ViT output the ViT cache lets go, written to the disk tier (lossless)."""
+        self.vit_disk.put_tensors(self.disk_namespace, key, [out[0], *out[1]], {"check": [int(v) for v in grid]})
+
+    def _disk_vit(self, key, span) -> tuple | None:
+        """An image's ViT output from the disk tier, if its record (patch grid) and shapes match."""
+        got = self.vit_disk.get_tensors(self.disk_namespace, key)
         if got is None:
             return None
+        return self._vit_from(got, span)
+
+    def _vit_from(self, got: tuple[list, dict], span) -> tuple | None:
         tensors, meta = got
         r = self.runner
         if (meta.get("check") != [int(v) for v in span.image.grid] or len(tensors) != 1 + r.deepstack_layers
                 or tuple(tensors[0].shape) != (span.length, r.hidden_size)):
             return None
-        return tensors[0].to(r.device), tuple(t.to(r.device) for t in tensors[1:])
+        return tensors[0].to(r.device, r.dtype), tuple(t.to(r.device, r.dtype) for t in tensors[1:])
+
+    def _remote_vit(self, remote, namespace: Namespace, key, span) -> tuple | None:
+        """An image's ViT output from the shared store, if its record (patch grid) and shape match."""
+        got = remote.get_tensors(namespace, key, "vit")
+        return None if got is None else self._vit_from(got, span)
 
     def _image_rows(self, prompt: Prompt, index: np.ndarray):
         """For each image with tokens among the (sorted) rows ``index``: (image, lo, hi, offsets),

@@ -49,16 +49,19 @@ class TensorStore:
     A payload's size is its tensors' bytes unless ``put`` is told otherwise (a payload that only
     points at memory held elsewhere). ``on_evict(payload)`` runs for every payload the store lets
     go of (evicted to make room, by ``evict_until`` or by ``clear``), so an owner can release what
-    the payload holds.
+    the payload holds; ``spill(key, payload, check)`` likewise, for an owner that keeps it elsewhere
+    (a tier below).
     """
 
-    def __init__(self, name: str, capacity_bytes: int, *, on_evict: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, name: str, capacity_bytes: int, *, on_evict: Callable[[Any], None] | None = None,
+                 spill: Callable[[ContentKey, Any, Any], None] | None = None) -> None:
         check_int("capacity_bytes", capacity_bytes, 1)
         self.name = name
         self.index = ContentIndex(capacity_bytes)
         self._payloads: dict[int, tuple[Any, Any]] = {}
         self._handles = itertools.count()
         self._on_evict = on_evict
+        self._spill = spill
         self.stats = StoreStats()
 
     def get(self, key: ContentKey, check: Any = None) -> Any | None:
@@ -111,6 +114,8 @@ class TensorStore:
             self.stats.evictions += 1
             if self._on_evict is not None:
                 self._on_evict(kept[0])
+            if self._spill is not None:
+                self._spill(item.key, *kept)
         return count
 
     @property

@@ -9,6 +9,9 @@ checksum, another namespace, truncated, an old format version) is deleted and co
 namespace is a miss and stays (it is not this caller's to delete). Recency is a logical counter kept in
 memory; at start the files present are taken in modification-time order, so a restarted process
 keeps what the last one cached.
+
+Besides KV items, a disk tier holds items of plain tensors, lossless (:meth:`DiskTier.put_tensors`):
+ViT outputs the ViT cache lets go, and prefix blocks the host prefix tier spills.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import QTYPES, ColdFormatError, ForeignItem, decode, encode, read_header
+from samcache.tiers.cold import (QTYPES, ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors,
+                                 read_header)
 
 SUFFIX = ".samkv"
 
@@ -76,8 +80,20 @@ class DiskTier:
         encoded item alone exceeds ``max_bytes``. An existing file for the key is replaced."""
         enc = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size,
                      meta=meta)
-        name = self._name(key)
-        if len(enc.data) > self.max_bytes:
+        return self._write(self._name(key), enc.data)
+
+    def put_tensors(self, namespace: Namespace, key: ContentKey, tensors: list[torch.Tensor],
+                    meta: dict | None = None) -> bool:
+        """Write an item of plain tensors (lossless) under ``key``; as :meth:`put`."""
+        return self._write(self._name(key), encode_tensors(tensors, namespace, key, meta=meta))
+
+    def get_tensors(self, namespace: Namespace, key: ContentKey) -> tuple[list[torch.Tensor], dict] | None:
+        """An item of :meth:`put_tensors` (tensors, meta), or None as :meth:`get`."""
+        return self._read(self._name(key), lambda data: decode_tensors(data, namespace, key))
+
+    def _write(self, name: str, data: bytes) -> bool:
+        """Write one encoded item, atomically (a temporary file renamed into place)."""
+        if len(data) > self.max_bytes:
             with self._lock:
                 self._stats["rejected"] += 1
             return False
@@ -85,7 +101,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(enc.data)
+                f.write(data)
             os.replace(tmp, self.path / name)
         except OSError as e:  # disk full, gone read-only, ...: the item is not kept, nothing half-written stays
             tmp.unlink(missing_ok=True)
@@ -99,14 +115,19 @@ class DiskTier:
             raise
         with self._lock:
             self._files.pop(name, None)
-            self._files[name] = len(enc.data)
+            self._files[name] = len(data)
             self._stats["puts"] += 1
             self._evict_to(self.max_bytes)
         return True
 
     def get(self, namespace: Namespace, key: ContentKey, *, device: str | torch.device = "cpu") -> StoredKV | None:
         """The item's KV and meta, or None if absent or unusable (an unusable file is deleted)."""
-        name = self._name(key)
+        got = self._read(self._name(key), lambda data: (decode(data, namespace, key, device=device),
+                                                        read_header(data)["meta"]))
+        return None if got is None else StoredKV(*got)
+
+    def _read(self, name: str, decoder):
+        """``decoder(bytes)`` of one file; None if absent, someone else's or unusable (deleted)."""
         try:
             data = (self.path / name).read_bytes()
         except FileNotFoundError:
@@ -115,8 +136,7 @@ class DiskTier:
                 self._stats["misses"] += 1
             return None
         try:
-            kv = decode(data, namespace, key, device=device)
-            meta = read_header(data)["meta"]
+            got = decoder(data)
         except ForeignItem:  # intact, someone else's: a miss, the file stays
             with self._lock:
                 self._stats["misses"] += 1
@@ -128,7 +148,7 @@ class DiskTier:
             if name in self._files:
                 self._files.move_to_end(name)
             self._stats["hits"] += 1
-        return StoredKV(kv, meta)
+        return got
 
     def __contains__(self, key: ContentKey) -> bool:
         with self._lock:
@@ -147,7 +167,7 @@ class DiskTier:
             self._files.pop(name, None)
             self._stats["dropped"] += 1
         warnings.warn(f"samcache: disk tier {self.path}: {name} is damaged, truncated or of another format "
-                      "version; deleted, its image is recomputed", RuntimeWarning, stacklevel=3)
+                      "version; deleted, its item is recomputed", RuntimeWarning, stacklevel=3)
 
     def _evict_to(self, bound: int) -> None:
         total = sum(self._files.values())

@@ -4,6 +4,9 @@ before the block is handed out again; a later prompt whose next block has that h
 instead of prefilling it (``samcache.engine.executor``). Exact copies only: the prefix cache
 promises what a full prefill computes, so no cold encoding here. The hash chains from the
 namespace (model and tenant), so another tenant's prompt never finds a block.
+
+With a disk tier (``disk``, lossless tensor items) the blocks host memory cannot keep spill to
+files instead of being dropped, and come back from there.
 """
 
 from __future__ import annotations
@@ -14,18 +17,23 @@ from collections import OrderedDict
 import torch
 
 from samcache._checks import check_int
+from samcache.hashing import ContentKey, Namespace
 
 
 class PrefixTier:
     """Evicted prefix blocks' KV (``[layers, 2, block_size, kv_heads, head_dim]`` each) by prefix
-    hash, at most ``capacity_bytes``, least recently used out first."""
+    hash, at most ``capacity_bytes``, least recently used out first: to ``disk`` (a
+    :class:`samcache.tiers.DiskTier`, items framed under ``namespace``) when given, else dropped."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, disk=None, namespace: Namespace | None = None) -> None:
         self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 1)
+        if disk is not None and not isinstance(namespace, Namespace):
+            raise ValueError("a disk for prefix blocks needs the namespace its items are framed under")
+        self.disk, self.namespace = disk, namespace
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
-        self.stats = {"demoted": 0, "restored": 0, "dropped": 0}
+        self.stats = {"demoted": 0, "restored": 0, "dropped": 0, "spilled": 0, "restored_from_disk": 0}
 
     def put(self, block_hash: bytes, kv: torch.Tensor) -> bool:
         """Keep a block's KV (copied to the CPU); False if it alone exceeds the capacity."""
@@ -35,6 +43,7 @@ class PrefixTier:
         size = kv.numel() * kv.element_size()
         if size > self.capacity_bytes:
             return False
+        spill = []
         with self._lock:
             old = self._blocks.pop(block_hash, None)
             if old is not None:
@@ -43,8 +52,12 @@ class PrefixTier:
             self._used += size
             self.stats["demoted"] += 1
             while self._used > self.capacity_bytes:
-                _, out = self._blocks.popitem(last=False)
-                self._used -= out.numel() * out.element_size()
+                spill.append(self._blocks.popitem(last=False))
+                self._used -= spill[-1][1].numel() * spill[-1][1].element_size()
+        for h, out in spill:  # outside the lock: file writes
+            if self.disk is not None and self.disk.put_tensors(self.namespace, ContentKey(h), [out]):
+                self.stats["spilled"] += 1
+            else:
                 self.stats["dropped"] += 1
         return True
 
@@ -55,7 +68,15 @@ class PrefixTier:
             if kv is not None:
                 self._used -= kv.numel() * kv.element_size()
                 self.stats["restored"] += 1
-            return kv
+                return kv
+        if self.disk is None:
+            return None
+        got = self.disk.get_tensors(self.namespace, ContentKey(block_hash))
+        if got is None or len(got[0]) != 1:
+            return None
+        self.disk.remove(ContentKey(block_hash))  # back in the pool; it comes down again when evicted
+        self.stats["restored_from_disk"] += 1
+        return got[0][0]
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
