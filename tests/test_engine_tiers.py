@@ -386,3 +386,45 @@ def test_concurrent_demotion_fetch_and_prefetch_keep_the_tiers_consistent(tmp_pa
     for k in keys:  # whatever survived is exact
         got = tiers.fetch(ns, k, [2])
         assert got is None or torch.equal(got.kv, values[k])
+
+
+def test_publishing_runs_beside_the_turn_and_flush_waits_for_it():
+    """A slow shared store: publish returns at once (the KV already copied), the put happens in
+    the publisher thread, flush waits for it, and the item read back is what was published."""
+    import threading
+
+    from samcache.tiers import RemoteStore, RemoteTier
+
+    gate = threading.Event()
+
+    class Slow(RemoteStore):
+        def __init__(self):
+            self.items = {}
+
+        def put(self, key, data):
+            gate.wait(10)
+            self.items.setdefault(key, data)
+            return True
+
+        def get(self, key):
+            return self.items.get(key)
+
+        def exists(self, key):
+            return key in self.items
+
+        def remove(self, key):
+            return self.items.pop(key, None) is not None
+
+    ns = Namespace("m", "t")
+    key = ns.key(hash_bytes(b"slow"))
+    tiers = LowerTiers(0, remote=RemoteTier(Slow(), qtype=None))
+    kv = torch.randn(2, 2, 5, 1, 8)
+    assert tiers.publish(ns, key, kv, position=3, check=[1])
+    kv.zero_()  # the caller's blocks are reused: the copy was taken already
+    assert tiers.stats["published"] == 0 and (ns, key) not in tiers.remote
+    gate.set()
+    tiers.flush()
+    assert tiers.stats["published"] == 1
+    got = tiers.fetch(ns, key, [1])
+    assert got is not None and got.position == 3 and torch.count_nonzero(got.kv) > 0
+    tiers.close()

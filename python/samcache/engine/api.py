@@ -647,6 +647,10 @@ class SAMcacheEngine:
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
             if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
                 self.prefetch(wait=False)  # the next agents' images come up while the caller goes on
+            if self.lower_tiers is not None:
+                # Published while the turns decoded; in the shared store before the call returns, so
+                # another instance the caller tells next finds it.
+                self.lower_tiers.flush()
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
                 warnings.warn("no sensitivity curves for this model yet: the recompute budget is uniform across layers "

@@ -87,6 +87,8 @@ class LowerTiers:
         # when the engine's eviction policy sets this (CachePriorities.priority_of), else LRU.
         self.priority_of: Callable[[ContentKey], int] | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._publisher: ThreadPoolExecutor | None = None  # shared-store writes, off the serving thread
+        self._publishing: set[Future] = set()
         self.stats = {"demoted": 0, "host_hits": 0, "disk_hits": 0, "remote_hits": 0, "misses": 0, "to_disk": 0,
                       "dropped": 0, "published": 0, "prefetched": 0, "prefetch_seconds": 0.0,
                       "prefetch_wait_seconds": 0.0}
@@ -178,21 +180,52 @@ class LowerTiers:
         return None
 
     def close(self) -> None:
-        """Stop the prefetch worker (waits for the item it is loading)."""
+        """Finish the pending publishes, stop the publisher and the prefetch worker (which
+        finishes the item it is loading)."""
+        self.flush()
         with self._lock:
             worker, self._worker = self._worker, None
+            publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.shutdown(wait=True)
         if worker is not None:
             worker.shutdown(wait=True, cancel_futures=True)
 
-    def publish(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any) -> bool:
+    def publish(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, position: int, check: Any, *,
+                wait: bool = False) -> bool:
         """Put a freshly computed item into the shared store (a no-op without one, or if it is
-        there already)."""
+        there already). The KV is copied now; encoding and the store's put run in a publisher
+        thread, so the turn decodes meanwhile (:meth:`flush` waits for them). ``wait``: return the
+        put's result. False without a shared store."""
         if self.remote is None:
             return False
-        ok = self.remote.put(namespace, key, kv.detach().to("cpu"), {"position": int(position), "check": _normal(check)})
+        cpu = kv.detach().to("cpu", copy=True)  # the blocks may be reused as soon as this returns
+        meta = {"position": int(position), "check": _normal(check)}
+        with self._lock:
+            if self._publisher is None:
+                self._publisher = ThreadPoolExecutor(1, thread_name_prefix="samcache-publish")
+            future = self._publisher.submit(self._publish_now, namespace, key, cpu, meta)
+            self._publishing.add(future)
+        future.add_done_callback(self._published)
+        return future.result() if wait else True
+
+    def _publish_now(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict) -> bool:
+        ok = self.remote.put(namespace, key, kv, meta)  # RemoteTier.put never raises for the store's faults
         if ok:
-            self.stats["published"] += 1
+            with self._lock:
+                self.stats["published"] += 1
         return ok
+
+    def _published(self, future: Future) -> None:
+        with self._lock:
+            self._publishing.discard(future)
+
+    def flush(self) -> None:
+        """Wait until every item sent to :meth:`publish` is in the shared store (or refused)."""
+        with self._lock:
+            pending = list(self._publishing)
+        for future in pending:
+            future.exception()  # waits; a failure was counted by the tier, not raised here
 
     def fetch(self, namespace: Namespace, key: ContentKey, check: Any) -> Fetched | None:
         """The item's KV from the highest tier holding it with the same ``check`` record, taken
