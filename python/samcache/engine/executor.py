@@ -695,6 +695,9 @@ class Executor:
             kept.append(offsets)
             sources.append(runner.flat_rows(layer, slot_ids(table, compaction.slots(layer, held), bs)))
         key = pre.namespace.key(span.image.content)
+        if key in self.image_kv_store:
+            return
+        self._demote_for(self.image_kv_store.packed_blocks(tuple(kept)))  # evicted prefix blocks go down a tier first
         self.image_kv_store.put_packed(key, tuple(kept), np.concatenate(sources), span.length,
                                        int(pre.prompt.positions[0, span.start]), runner.copy_rows,
                                        check=self.kv_check(span, pre.options.compression), namespace=pre.namespace)

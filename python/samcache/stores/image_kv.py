@@ -157,9 +157,10 @@ class ImageKVStore:
             raise ValueError(f"source_rows must hold the {total} kept rows, got {source_rows.shape}")
         if key in self.entries:
             return False
-        per_block = len(kept) * self.pool.block_size
-        blocks = -(-total // per_block)
+        blocks = self.packed_blocks(kept)
         size = blocks * self.block_bytes
+        if size <= self.entries.index.capacity_bytes and blocks > self.pool.num_free_blocks():
+            self.evict_for_blocks(blocks)  # older images give way, as for a prompt's blocks
         if size > self.entries.index.capacity_bytes or blocks > self.pool.num_free_blocks():
             self.entries.stats.rejected += 1
             return False
@@ -171,6 +172,10 @@ class ImageKVStore:
             self.pool.free_sequence(holder)
             raise
         return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept)), size)
+
+    def packed_blocks(self, kept: tuple[np.ndarray, ...]) -> int:
+        """Blocks a packed record of these per-layer kept tokens takes."""
+        return -(-sum(int(k.size) for k in kept) // (len(kept) * self.pool.block_size))
 
     def _keep(self, held: HeldImage, size: int) -> bool:
         """Insert ``held`` (whose holder sequence is live) as an entry of ``size`` bytes; its holder
