@@ -249,3 +249,8 @@ def test_compression_sweep_runs_every_mode_per_keep_ratio(tiny_checkpoints, tmp_
     for bad in ("0", "1.5", "x", ""):
         with pytest.raises(ValueError, match="keep"):
             parse_keeps(bad)
+
+
+def test_bench_refuses_compression_on_a_dense_family_before_building(capsys):
+    assert main(["bench", "--scenario", "chat", "--compression", "0.5", "--quiet"]) == 2
+    assert "needs an MoE model" in capsys.readouterr().err

@@ -30,6 +30,8 @@ def _bench(args) -> int:
         ratios = parse_ratios(args.recompute if args.recompute is not None else "0.05")
         if args.compression is not None:
             args.compression = parse_keeps(args.compression)
+            if args.model is None and args.family != "qwen3_vl_moe":  # before minutes of building a checkpoint
+                raise ValueError(f"--compression needs an MoE model: --family qwen3_vl_moe, not {args.family}")
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
