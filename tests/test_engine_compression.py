@@ -6,6 +6,8 @@ merge done with the same policy functions on the reference's own router logits. 
 compacted slots, per-layer metadata, DeepStack merge and decode rows are what is under test.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -38,8 +40,10 @@ def prompt_of(engine, seeds=(1, 2), question="What is on the screen?"):
     return engine.build_prompt(msgs)
 
 
-def reference_logits(engine, prompt, settings: CompressionSettings) -> torch.Tensor:
-    """Next-token logits of ``prompt`` with compression, computed densely layer by layer."""
+def reference_logits(engine, prompt, settings: CompressionSettings, forced: dict | None = None) -> torch.Tensor:
+    """Next-token logits of ``prompt`` with compression, computed densely layer by layer.
+    ``forced``: image index -> {layer: (positions, target positions, weights)}, merges to apply
+    instead of planning them from the router logits."""
     runner, ex = engine.runner, engine.executor
     n = len(prompt)
     vit: dict = {}
@@ -77,14 +81,24 @@ def reference_logits(engine, prompt, settings: CompressionSettings) -> torch.Ten
                 normed = captured[0].reshape(-1, runner.hidden_size)
                 frac = settings.keep_at(l)
                 for index, members in groups.items():
-                    if anchor_count(members.size, frac) == members.size:
-                        continue
-                    local = torch.from_numpy(np.searchsorted(keep, members))
-                    logits = torch.nn.functional.linear(normed[local], layer.mlp.gate.weight)
-                    coords = prompt.positions[1:3, torch.from_numpy(members)].T
-                    plan = plan_stage(RouterScores.from_logits(logits.float()), coords, frac, spread=settings.spread)
-                    w = plan.weight.double()
-                    anchors = plan.anchors
+                    if forced is not None and index in forced:
+                        stage = forced[index].get(l)
+                        if stage is None:
+                            continue
+                        assert np.array_equal(stage[0], members)
+                        target = torch.from_numpy(np.searchsorted(members, stage[1]))
+                        w = torch.from_numpy(stage[2]).double()
+                        anchors = torch.nonzero(target == torch.arange(members.size)).flatten()
+                        plan = SimpleNamespace(target=target)
+                    else:
+                        if anchor_count(members.size, frac) == members.size:
+                            continue
+                        local = torch.from_numpy(np.searchsorted(keep, members))
+                        logits = torch.nn.functional.linear(normed[local], layer.mlp.gate.weight)
+                        coords = prompt.positions[1:3, torch.from_numpy(members)].T
+                        plan = plan_stage(RouterScores.from_logits(logits.float()), coords, frac, spread=settings.spread)
+                        w = plan.weight.double()
+                        anchors = plan.anchors
                     rows = torch.from_numpy(members)
                     for a in anchors.tolist():  # the weighted mean of each anchor's group, in float64
                         grp = (plan.target == a).nonzero().flatten()
@@ -341,3 +355,34 @@ def test_compression_with_sessions_forks_and_other_engine_options(moe, kw):
         engine.chat(images=[screenshot(51, SIZE)], prompt="fork", session=fork, max_new_tokens=2)
     engine.abandon_session(fork)
     engine.check_invariants()
+
+
+def test_recomputing_a_compressed_record_replays_its_merges(moe):
+    """Full recompute of a record moved under a new context: every token of every layer is
+    computed again and each stage's stored merge replayed, which is exactly a dense compressed
+    prefill of the new prompt with the record's merges forced."""
+    engine = make_engine(moe, compression_enabled=True, compression_keep=0.25, recompute_ratio=1.0)
+    image = screenshot(81, SIZE)
+    engine.chat(messages=[{"role": "system", "content": "Be brief."}, user_message([image], "first")],
+                max_new_tokens=1)
+    held = next(iter(engine.image_kv_store.entries.payloads()))
+    assert held.packed and held.merges
+    prompt = engine.build_prompt([{"role": "system", "content": "A longer, different context before it."},
+                                  user_message([image], "second")])
+    pre, logits = engine.prefill(prompt, options=replace_options(engine, use_prefix=False))
+    engine.pool.free_sequence(pre.seq)
+    span = prompt.images[0]
+    assert pre.metrics.image_kv_hits == 1 and pre.metrics.recomputed_tokens == span.length
+    forced = {0: {layer: (span.start + m, span.start + t, w) for layer, m, t, w in held.merges}}
+    ref = reference_logits(engine, prompt, engine.compression, forced=forced)
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
+    # Partial recompute: the groups of the recomputed anchors are closed, the turn runs.
+    partial = make_engine(moe, compression_enabled=True, compression_keep=0.25, recompute_ratio=0.2,
+                          recompute_budget="uniform", share_weights_with=engine)
+    partial.chat(messages=[{"role": "system", "content": "Be brief."}, user_message([image], "first")],
+                 max_new_tokens=1)
+    r = partial.chat(messages=[{"role": "system", "content": "A longer, different context before it."},
+                               user_message([image], "second")], max_new_tokens=2, fidelity=True)
+    assert r.metrics.image_kv_hits == 1 and 0 < r.metrics.recomputed_tokens < span.length
+    assert np.isfinite(r.metrics.fidelity.kl)
+    assert_clean(partial)

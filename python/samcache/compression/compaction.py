@@ -29,6 +29,9 @@ class Compaction:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = check_int("num_layers", num_layers, 1)
         self.removed: list[np.ndarray] = [_EMPTY] * num_layers
+        # The merges of this sequence's stages: (layer, positions, target positions, weights), so a
+        # compressed record can replay them when its tokens are recomputed.
+        self.merges: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def remove(self, from_layer: int, positions: np.ndarray) -> None:
         """Positions no layer from ``from_layer`` on holds any more (merged into anchors)."""

@@ -55,6 +55,18 @@ class SequenceStep:
     compaction: Compaction | None = None
     compress: list[tuple[int, int]] | None = None
     compression: CompressionSettings | None = None
+    replays: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] | None = None  # (layer, positions, targets, weights)
+
+
+@dataclass
+class ReplayJob:
+    """A stored merge replayed at ``layer`` over step rows ``rows`` (device int64): ``target``
+    indexes into ``rows`` (``target[i] == i`` for an anchor), ``weight`` float32."""
+
+    layer: int
+    rows: torch.Tensor
+    target: torch.Tensor
+    weight: torch.Tensor
 
 
 @dataclass
@@ -100,6 +112,7 @@ class StepBatch:
     before_layer: list[Callable[[int], None]] = field(default_factory=list)
     deepstack_rows: np.ndarray | None = None  # per row: its feature row, -1 for text
     compress_jobs: list[CompressJob] = field(default_factory=list)
+    replays: list[ReplayJob] = field(default_factory=list)
     steps: list[SequenceStep] = field(default_factory=list)
     offsets: np.ndarray | None = None  # first row of each sequence
     block_size: int = 0
@@ -146,6 +159,13 @@ class StepBatch:
         batch.all_rows = RowSubset(all_index, slots_t, meta, *batch._visual(None))
         batch.replan(0)
         for s, off in zip(steps, offsets):
+            for layer, positions, targets, weights in s.replays or ():
+                local = np.searchsorted(s.rows, positions)
+                if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], positions)):
+                    raise ValueError("a replayed merge needs every member among the step's rows")
+                batch.replays.append(ReplayJob(layer, torch.from_numpy(off + local).to(device),
+                                               torch.from_numpy(np.searchsorted(positions, targets)).to(device),
+                                               torch.from_numpy(weights).to(device)))
             if s.compress:
                 full = s.rows
                 for rows in s.layer_rows or ():
@@ -219,4 +239,4 @@ class StepBatch:
             self.layers[layer] = previous[1]
 
 
-__all__ = ["CompressJob", "RowSubset", "SequenceStep", "StepBatch"]
+__all__ = ["CompressJob", "ReplayJob", "RowSubset", "SequenceStep", "StepBatch"]

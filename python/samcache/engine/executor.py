@@ -249,12 +249,15 @@ class Executor:
                 if load is not None:
                     load.finish()  # scoring reads the spliced keys
                 plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
+            replays = []
+            if packed and plan.recompute is not None:
+                plan, replays = self._close_groups(plan, packed, held, layout, compaction)
             step = self.sequence_step(prompt, plan, table, vit)
             if load is not None:
                 step.before_layer = load.before_layer
             if compaction is not None:
                 step.compaction, step.compress, step.compression = compaction, compress, options.compression
-                self._freeze_packed(step, packed, compaction)
+                step.replays = replays
         except BaseException:
             if load is not None:
                 load.release()  # no copy may land in blocks freed below
@@ -269,6 +272,9 @@ class Executor:
         m.prefilled_tokens = int(plan.new_rows.size)
         m.recomputed_tokens = plan.recomputed_tokens
         m.recomputed_token_layers = plan.recomputed_token_layers
+        if step.replays:  # closed over compressed records' groups: count what is computed
+            m.recomputed_tokens = int(np.setdiff1d(plan.rows, plan.new_rows).size)
+            m.recomputed_token_layers = sum(int(np.setdiff1d(r, plan.new_rows).size) for r in plan.layer_rows)
         m.recompute_rates = plan.recompute_rates
         m.exact_tokens = plan.exact_tokens
         return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded, step.compaction,
@@ -314,19 +320,35 @@ class Executor:
                 deltas.append(np.full(rows.size, s.delta, dtype=np.int64))
         runner.splice_flat(np.concatenate(src), np.concatenate(dst), np.concatenate(deltas))
 
-    @staticmethod
-    def _freeze_packed(step: SequenceStep, packed, compaction: Compaction) -> None:
-        """Recompute of a compressed record's tokens stops before its first compacted layer: an
-        anchor's hidden state there is the merge of tokens this turn does not compute."""
-        if not packed or not compaction.active:
-            return  # nothing compacted (keep 1.0): recompute as usual
-        first = next(layer for layer, r in enumerate(compaction.removed) if r.size)
-        frozen = np.concatenate([np.arange(s.start, s.end) for s in packed])
-        if not np.isin(frozen, step.rows).any():
-            return  # nothing of theirs recomputed
-        layer_rows = step.layer_rows if step.layer_rows is not None else [step.rows] * len(compaction.removed)
-        step.layer_rows = [rows if layer < first else np.setdiff1d(rows, frozen, assume_unique=True)
-                           for layer, rows in enumerate(layer_rows)]
+    def _close_groups(self, plan: ReusePlan, packed, held: dict, layout: PromptLayout,
+                      compaction: Compaction) -> tuple[ReusePlan, list]:
+        """Recompute over compressed records: an anchor recomputed after a stage needs its group's
+        fresh hidden states at the stage (the record's merge replayed), so its whole group is
+        recomputed up to there, and theirs before, down to layer 0. Returns the plan with the
+        closed per-layer rows and the merges to replay (layer, positions, targets, weights)."""
+        rows = list(plan.layer_rows)
+        replays = []
+        for s in packed:
+            merges = {layer: (s.start + m, s.start + t, w) for layer, m, t, w in held[layout.images[s.image].key].merges}
+            need: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
+            above = None
+            for layer in range(len(rows) - 1, -1, -1):
+                r = rows[layer]
+                mine = compaction.kept(layer, r[(r >= s.start) & (r < s.end)])
+                if above is not None:
+                    if layer in merges:  # the tokens above are this stage's anchors: their groups here
+                        members, targets, _ = merges[layer]
+                        mine = np.union1d(mine, members[np.isin(targets, above)])
+                    else:
+                        mine = np.union1d(mine, above)
+                need[layer] = above = mine
+            for layer, (members, targets, weights) in merges.items():
+                if layer + 1 < len(rows) and need[layer + 1].size:
+                    chosen = np.isin(targets, need[layer + 1])
+                    replays.append((layer, members[chosen], targets[chosen], weights[chosen]))
+            for layer, r in enumerate(rows):
+                rows[layer] = np.union1d(r[(r < s.start) | (r >= s.end)], need[layer])
+        return replace(plan, layer_rows=tuple(rows)), replays
 
     def fork_prefilled(self, pre: Prepared) -> int:
         """A sequence holding ``pre``'s prefill KV, to decode beside it. Compacted layers write a
@@ -698,9 +720,13 @@ class Executor:
         if key in self.image_kv_store:
             return
         self._demote_for(self.image_kv_store.packed_blocks(tuple(kept)))  # evicted prefix blocks go down a tier first
+        merges = tuple((layer, positions - span.start, targets - span.start, weights)
+                       for layer, positions, targets, weights in compaction.merges
+                       if positions.size and span.start <= positions[0] < span.end)
         self.image_kv_store.put_packed(key, tuple(kept), np.concatenate(sources), span.length,
                                        int(pre.prompt.positions[0, span.start]), runner.copy_rows,
-                                       check=self.kv_check(span, pre.options.compression), namespace=pre.namespace)
+                                       check=self.kv_check(span, pre.options.compression), namespace=pre.namespace,
+                                       merges=merges)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_step(self, seq: int, token: int, position: int, hashed: bool,

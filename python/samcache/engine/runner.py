@@ -223,6 +223,9 @@ class ModelRunner:
                 for job, job_logits in zip(stage, logits):
                     self._merge(l, batch, job, job_logits, h)
                 batch.replan(l + 1)
+            for replay in batch.replays:
+                if replay.layer == l:
+                    self._replay(batch, replay, h)
         last = self.text.norm(h.index_select(0, batch.logit_rows))
         return linear(last, self.lm_head.weight, self.lm_head.bias).float()
 
@@ -256,8 +259,24 @@ class ModelRunner:
                 features.index_copy_(0, feature_rows.index_select(0, kept.to(h.device)), got)
         keep_mask = np.zeros(job.positions.size, dtype=bool)
         keep_mask[kept.cpu().numpy()] = True
+        job.compaction.merges.append((l, job.positions, job.positions[plan.target.numpy()],
+                                      plan.weight.numpy().astype(np.float32)))
         self._compact(job, l + 1, job.positions[~keep_mask])
         job.rows, job.positions, job.coords = kept_rows, job.positions[keep_mask], job.coords[kept.cpu()]
+
+    def _replay(self, batch: StepBatch, replay, h: torch.Tensor) -> None:
+        """A compressed record's stage, replayed for its recomputed tokens: each recomputed anchor's
+        hidden state (and later DeepStack features) becomes its group's weighted mean, by the merge
+        stored with the record (its group was recomputed up to here)."""
+        merged, kept = ops.token_merge(h.index_select(0, replay.rows), replay.target, replay.weight)
+        anchors = replay.rows.index_select(0, kept)
+        h.index_copy_(0, anchors, merged)
+        if batch.deepstack_features is not None and batch.deepstack_rows is not None:
+            feature_rows = torch.from_numpy(batch.deepstack_rows[replay.rows.cpu().numpy()]).to(h.device)
+            for later in range(replay.layer + 1, len(batch.deepstack_features)):
+                features = batch.deepstack_features[later]
+                got, _ = ops.token_merge(features.index_select(0, feature_rows), replay.target, replay.weight)
+                features.index_copy_(0, feature_rows.index_select(0, kept), got)
 
     def _compact(self, job, first_layer: int, removed: np.ndarray) -> None:
         """Remove ``removed`` from the sequence's layers ``first_layer`` on, moving the KV those

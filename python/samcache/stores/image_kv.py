@@ -55,6 +55,7 @@ class HeldImage:
     namespace: Namespace | None = None
     check: Any = None
     kept: tuple[np.ndarray, ...] | None = None  # packed (compressed): per layer, the image's tokens it holds
+    merges: tuple = ()  # packed: its stages' merges (layer, token offsets, target offsets, weights)
 
     @property
     def packed(self) -> bool:
@@ -145,11 +146,12 @@ class ImageKVStore:
 
     def put_packed(self, key: ContentKey, kept: tuple[np.ndarray, ...], source_rows: np.ndarray, length: int,
                    position: int, copy_rows: Callable[[np.ndarray, np.ndarray], None], check: Any = None,
-                   namespace: Namespace | None = None) -> bool:
+                   namespace: Namespace | None = None, merges: tuple = ()) -> bool:
         """Hold a compressed image: ``kept[l]`` (ascending token offsets within the image) are the
         tokens layer ``l`` holds, ``source_rows`` their flat rows in the caches now (layer by layer,
-        in that order); ``copy_rows(src, dst)`` copies flat rows. False if the key is present, the
-        record exceeds the capacity or the pool has no free blocks for it."""
+        in that order); ``copy_rows(src, dst)`` copies flat rows; ``merges``: the stages' merges, for
+        recompute. False if the key is present, the record exceeds the capacity or the pool has no
+        free blocks for it."""
         check_int("length", length, 1)
         check_int("position", position, 0)
         total = sum(int(k.size) for k in kept)
@@ -171,7 +173,8 @@ class ImageKVStore:
         except BaseException:
             self.pool.free_sequence(holder)
             raise
-        return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept)), size)
+        return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept), tuple(merges)),
+                          size)
 
     def packed_blocks(self, kept: tuple[np.ndarray, ...]) -> int:
         """Blocks a packed record of these per-layer kept tokens takes."""
