@@ -239,8 +239,7 @@ class ModelRunner:
 
     def _merge(self, l: int, batch: StepBatch, job, logits: torch.Tensor, h: torch.Tensor) -> None:
         """A compression stage at layer ``l`` for one image: anchors and merge plan from the router
-        logits, anchors' hidden states (and DeepStack features of later layers) merged by weighted
-        average, the other tokens gone from layer ``l + 1`` on."""
+        logits, the merge (:meth:`_merge_rows`), the other tokens gone from layer ``l + 1`` on."""
         from samcache.compression import RouterScores, anchor_count, plan_stage
 
         keep = job.settings.keep_at(l)
@@ -248,35 +247,35 @@ class ModelRunner:
             return  # every token an anchor: nothing merges (keep 1.0 computes exactly what no compression does)
         plan = plan_stage(RouterScores.from_logits(logits.float().cpu()), job.coords, keep,
                           spread=job.settings.spread)
-        merged, kept = plan.merge(h.index_select(0, job.rows))
-        kept_rows = job.rows.index_select(0, kept.to(job.rows.device))
-        h.index_copy_(0, kept_rows, merged)
-        if batch.deepstack_features is not None and batch.deepstack_rows is not None:
-            feature_rows = torch.from_numpy(batch.deepstack_rows[job.rows.cpu().numpy()]).to(h.device)
-            for later in range(l + 1, len(batch.deepstack_features)):
-                features = batch.deepstack_features[later]
-                got, _ = plan.merge(features.index_select(0, feature_rows))
-                features.index_copy_(0, feature_rows.index_select(0, kept.to(h.device)), got)
+        kept = self._merge_rows(batch, h, l, job.rows, plan.target.to(h.device), plan.weight.to(h.device)).cpu()
         keep_mask = np.zeros(job.positions.size, dtype=bool)
-        keep_mask[kept.cpu().numpy()] = True
+        keep_mask[kept.numpy()] = True
         job.compaction.merges.append((l, job.positions, job.positions[plan.target.numpy()],
                                       plan.weight.numpy().astype(np.float32)))
         self._compact(job, l + 1, job.positions[~keep_mask])
-        job.rows, job.positions, job.coords = kept_rows, job.positions[keep_mask], job.coords[kept.cpu()]
+        job.rows, job.positions, job.coords = job.rows[kept.to(job.rows.device)], job.positions[keep_mask], job.coords[kept]
 
     def _replay(self, batch: StepBatch, replay, h: torch.Tensor) -> None:
-        """A compressed record's stage, replayed for its recomputed tokens: each recomputed anchor's
-        hidden state (and later DeepStack features) becomes its group's weighted mean, by the merge
-        stored with the record (its group was recomputed up to here)."""
-        merged, kept = ops.token_merge(h.index_select(0, replay.rows), replay.target, replay.weight)
-        anchors = replay.rows.index_select(0, kept)
-        h.index_copy_(0, anchors, merged)
+        """A compressed record's stage, replayed for its recomputed tokens: each recomputed anchor
+        becomes its group's weighted mean by the merge stored with the record (its group was
+        recomputed up to here)."""
+        self._merge_rows(batch, h, replay.layer, replay.rows, replay.target, replay.weight)
+
+    @staticmethod
+    def _merge_rows(batch: StepBatch, h: torch.Tensor, layer: int, rows: torch.Tensor, target: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+        """Merge step rows ``rows`` into their anchors (``target`` indexes into ``rows``) by
+        weighted average (``token_merge``): the hidden states in ``h`` and the DeepStack features
+        of the layers after ``layer``. Returns the anchors' indices into ``rows``."""
+        merged, kept = ops.token_merge(h.index_select(0, rows), target, weight)
+        h.index_copy_(0, rows.index_select(0, kept), merged)
         if batch.deepstack_features is not None and batch.deepstack_rows is not None:
-            feature_rows = torch.from_numpy(batch.deepstack_rows[replay.rows.cpu().numpy()]).to(h.device)
-            for later in range(replay.layer + 1, len(batch.deepstack_features)):
+            feature_rows = torch.from_numpy(batch.deepstack_rows[rows.cpu().numpy()]).to(h.device)
+            for later in range(layer + 1, len(batch.deepstack_features)):
                 features = batch.deepstack_features[later]
-                got, _ = ops.token_merge(features.index_select(0, feature_rows), replay.target, replay.weight)
+                got, _ = ops.token_merge(features.index_select(0, feature_rows), target, weight)
                 features.index_copy_(0, feature_rows.index_select(0, kept), got)
+        return kept
 
     def _compact(self, job, first_layer: int, removed: np.ndarray) -> None:
         """Remove ``removed`` from the sequence's layers ``first_layer`` on, moving the KV those
