@@ -26,7 +26,8 @@ def model(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def results(model):
     trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
-    return run_benchmark(trace, model, modes=[m for m in MODES if not MODES[m].peer], recompute=[0.05, 0.5, 0.05],
+    return run_benchmark(trace, model, modes=[m for m in MODES if not MODES[m].peer and not MODES[m].needs_compression],
+                         recompute=[0.05, 0.5, 0.05],
                          fidelity_tokens=2, progress=False, command="test")
 
 
@@ -254,3 +255,5 @@ def test_compression_sweep_runs_every_mode_per_keep_ratio(tiny_checkpoints, tmp_
 def test_bench_refuses_compression_on_a_dense_family_before_building(capsys):
     assert main(["bench", "--scenario", "chat", "--compression", "0.5", "--quiet"]) == 2
     assert "needs an MoE model" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "chat", "--modes", "samcache,routing-relevance", "--quiet"]) == 2
+    assert "routing-relevance need --compression" in capsys.readouterr().err

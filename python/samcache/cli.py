@@ -32,6 +32,8 @@ def _bench(args) -> int:
             args.compression = parse_keeps(args.compression)
             if args.model is None and args.family != "qwen3_vl_moe":  # before minutes of building a checkpoint
                 raise ValueError(f"--compression needs an MoE model: --family qwen3_vl_moe, not {args.family}")
+        elif any(MODES[m].needs_compression for m in modes):
+            raise ValueError(f"mode(s) {', '.join(m for m in modes if MODES[m].needs_compression)} need --compression")
     except ValueError as e:
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2

@@ -182,6 +182,7 @@ class SAMcacheEngine:
         head_fraction: float = 0.1,
         track2_share: float = 0.5,
         recompute_tracks: str = "both",
+        recompute_relevance: str = "attention",
         prefix_cache: bool = True,
         prefix_reuse: str = "exact",
         vit_cache: bool = True,
@@ -211,6 +212,12 @@ class SAMcacheEngine:
         if not isinstance(compression_enabled, bool):
             raise TypeError(f"compression_enabled must be a bool, got {compression_enabled!r}")
         check_fraction("recompute_ratio", recompute_ratio)
+        if recompute_relevance not in ("attention", "routing"):
+            raise ValueError(f"recompute_relevance must be 'attention' or 'routing', got {recompute_relevance!r}")
+        if recompute_relevance == "routing" and not compression_enabled:
+            raise ValueError("recompute_relevance='routing' ranks compressed images' tokens by routing confidence: it "
+                             "needs compression_enabled=True")
+        self.recompute_relevance = recompute_relevance
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         # head_fraction and track2_share are checked by the budget they shape.
@@ -546,7 +553,7 @@ class SAMcacheEngine:
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
                               store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache,
-                              compression=self.compression)
+                              compression=self.compression, relevance=self.recompute_relevance)
 
     def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with

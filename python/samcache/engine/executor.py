@@ -61,7 +61,9 @@ class RequestOptions:
     new images' KV for later turns. ``budget``: the recompute budget of spliced tokens (None:
     none). ``use_vit``: look ViT outputs up in the ViT cache, in ``vit_namespace`` (default: the
     request's namespace); ``store_vit``: keep new ViT outputs there. ``compression``: merge the
-    visual tokens of the images this request computes (None: keep every token).
+    visual tokens of the images this request computes (None: keep every token). ``relevance``:
+    what ranks track 2 of the recompute budget, ``"attention"`` (the prompt's last tokens' layer-0
+    attention) or ``"routing"`` (compressed records' routing confidence).
     """
 
     use_prefix: bool = True
@@ -74,6 +76,7 @@ class RequestOptions:
     vit_namespace: Namespace | None = None
     store_vit: bool = True
     compression: CompressionSettings | None = None
+    relevance: str = "attention"
 
     def __post_init__(self) -> None:
         for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
@@ -85,6 +88,8 @@ class RequestOptions:
         if self.vit_namespace is not None and not isinstance(self.vit_namespace, Namespace):
             raise TypeError(f"RequestOptions.vit_namespace must be a Namespace or None, got "
                             f"{type(self.vit_namespace).__name__}")
+        if self.relevance not in ("attention", "routing"):
+            raise ValueError(f"RequestOptions.relevance must be 'attention' or 'routing', got {self.relevance!r}")
         if self.compression is not None and not isinstance(self.compression, CompressionSettings):
             raise TypeError(f"RequestOptions.compression must be CompressionSettings or None, got "
                             f"{type(self.compression).__name__}")
@@ -245,7 +250,9 @@ class Executor:
                 wanted |= {s.image for s in plan.spliced}
             vit: dict[int, tuple] = {}
             self.ensure_vit(prompt, sorted(wanted), vit, m, options, namespace)
-            if plan.needs_scores:
+            if plan.needs_scores and options.relevance == "routing":
+                plan = plan.with_scores(self.routing_relevance(prompt, packed, held, layout))
+            elif plan.needs_scores:
                 if load is not None:
                     load.finish()  # scoring reads the spliced keys
                 plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
@@ -582,6 +589,18 @@ class Executor:
         q = r.layer0_queries(self.embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
         keys = r.layer_keys(0, slot_ids(table, reused, self.pool.block_size))
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
+        return scores
+
+    @staticmethod
+    def routing_relevance(prompt: Prompt, packed, held: dict, layout: PromptLayout) -> np.ndarray:
+        """Track-2 scores from the router instead of attention (the seed's variant, compressed
+        records only): each token's routing confidence at its record's first stage; 0 elsewhere."""
+        scores = np.zeros(len(prompt), dtype=np.float64)
+        for s in packed:
+            merges = held[layout.images[s.image].key].merges
+            if merges:
+                _, members, _, weights = merges[0]
+                scores[s.start + members] = weights
         return scores
 
     def attention_sample(self, pre: Prepared, queries: int = 8) -> dict[Any, float]:
