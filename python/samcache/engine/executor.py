@@ -724,6 +724,9 @@ class Executor:
 
     def _store_compressed(self, pre: Prepared, span) -> None:
         """Keep a compressed image's rows (what each layer holds), packed (``put_packed``)."""
+        key = pre.namespace.key(span.image.content)
+        if key in self.image_kv_store:
+            return  # held already: nothing to copy
         runner, compaction, bs = self.runner, pre.compaction, self.pool.block_size
         table = self.pool.block_table(pre.seq)
         tokens = np.arange(span.start, span.end)
@@ -735,9 +738,6 @@ class Executor:
                 offsets = kept[-1]  # layers of one stage share one array
             kept.append(offsets)
             sources.append(runner.flat_rows(layer, slot_ids(table, compaction.slots(layer, held), bs)))
-        key = pre.namespace.key(span.image.content)
-        if key in self.image_kv_store:
-            return
         self._demote_for(self.image_kv_store.packed_blocks(tuple(kept)))  # evicted prefix blocks go down a tier first
         merges = tuple((layer, positions - span.start, targets - span.start, weights)
                        for layer, positions, targets, weights in compaction.merges
