@@ -34,7 +34,7 @@ import tempfile
 import torch
 
 from samcache.engine import SAMcacheEngine
-from samcache.models import build_tiny_model
+from samcache.models import build_preset
 from samcache.workloads import make_trace
 
 
@@ -43,11 +43,13 @@ def _engine(model, args, **kw) -> SAMcacheEngine:
                           prefix_cache=False, recompute_tracks=args.recompute_tracks, **kw)
 
 
-def _page_bytes(model, trace, args) -> int:
+def _page_bytes(model, trace, args) -> tuple[int, int]:
+    """(pool bytes a page's KV takes, whole blocks; KV values of a page: tokens x layers x K/V x row)."""
     probe = _engine(model, args)
     prompt = probe.build_prompt(trace.turns[0].resolved())
     tokens = max(s.length for s in prompt.images)
-    return (-(-tokens // probe.pool.block_size) + 1) * probe.runner.block_bytes
+    layers, _, _, heads, dim = probe.runner.k_cache.shape
+    return (-(-tokens // probe.pool.block_size) + 1) * probe.runner.block_bytes, tokens * layers * 2 * heads * dim
 
 
 def run_config(name: str, engine: SAMcacheEngine, turns, args) -> dict:
@@ -79,16 +81,23 @@ def run_config(name: str, engine: SAMcacheEngine, turns, args) -> dict:
         "load_s": sum(x["load_s"] for x in warm), "load_wait_s": sum(x["load_wait_s"] for x in warm),
     }
     out["load_hidden"] = 1 - out["load_wait_s"] / out["load_s"] if out["load_s"] > 0 else None
+    out["ttft_by_turn_s"] = [x["ttft_s"] for x in rows]  # the same trace in every configuration: pairs by turn
     lower = engine.lower_tiers
     if lower is not None and lower.disk is not None:
         out["disk_bytes"] = lower.disk.used_bytes
         out["disk_items"] = len(lower.disk)
+        # The same pages' KV uncompressed, to compare the cold encoding against.
+        out["fp16_bytes"] = out["disk_items"] * args.page_values * 2
+        out["fp32_bytes"] = out["disk_items"] * args.page_values * 4
+        out["smaller_than_fp16"] = out["fp16_bytes"] / out["disk_bytes"] if out["disk_bytes"] else None
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: built from --preset)")
+    ap.add_argument("--preset", default="tiny", help="size preset of the random-weight Qwen2.5-VL built when no "
+                    "--model is given (samcache.models.PRESETS; 'medium': prefill costs what loading does not)")
     ap.add_argument("--out", default="bench/out/tiers")
     ap.add_argument("--pages", type=int, default=40)
     ap.add_argument("--turns", type=int, default=40)
@@ -110,10 +119,10 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="samcache-tiers-"))
-    model = args.model or build_tiny_model("qwen2_5_vl", work / "model", seed=0)
+    model = args.model or build_preset("qwen2_5_vl", args.preset, work / "model")
     trace = make_trace("docs", turns=args.turns, pages=args.pages, per_turn=args.per_turn,
                        size=tuple(args.page_size), seed=0)
-    page = _page_bytes(model, trace, args)
+    page, args.page_values = _page_bytes(model, trace, args)
     device_bytes = args.device_pages * page
     host_bytes = 2 * args.pages * page
     configs = {
@@ -135,24 +144,36 @@ def main() -> None:
         shared = run_shared(model, trace, device_bytes, args, work)
     results = {
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
-        "model": str(args.model or "tiny random Qwen2.5-VL"), "trace": trace.summary(),
+        "model": str(args.model or f"random Qwen2.5-VL, preset {args.preset}"), "trace": trace.summary(),
         "device_store_bytes": device_bytes, "page_kv_bytes": page, "configs": runs, "shared": shared,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     base = next((r for r in runs if r["config"] == "device-only"), None)
+    if base is not None:
+        # Turn by turn against device-only (the same turns): steadier than a ratio of medians when
+        # a trace's turns fall in clusters (0, 1, 2 or 3 pages to prefill).
+        for r in runs:
+            pairs = list(zip(base["ttft_by_turn_s"], r["ttft_by_turn_s"]))[args.warm_turns:]
+            r["speedup_by_turn_median"] = statistics.median(b / t for b, t in pairs)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
     for r in runs:
-        ratio = f"  {base['median_ttft_s'] / r['median_ttft_s']:.2f}x vs device-only" if base else ""
+        ratio = (f"  {base['median_ttft_s'] / r['median_ttft_s']:.2f}x vs device-only (turn by turn: "
+                 f"{r['speedup_by_turn_median']:.2f}x)" if base else "")
         kl = f"  KL median {r['kl_median']:.2e} max {r['kl_max']:.2e} top1 {r['top1_agree']:.0%}" if r["kl_median"] is not None else ""
-        disk = f"  disk {r['disk_bytes'] / 2**20:.1f} MiB for {r['disk_items']} pages" if "disk_bytes" in r else ""
+        disk = (f"  disk {r['disk_bytes'] / 2**20:.2f} MiB for {r['disk_items']} pages "
+                f"({r['smaller_than_fp16']:.2f}x smaller than fp16, {r['fp32_bytes'] / 2**20:.1f} MiB in fp32)"
+                if r.get("disk_bytes") else "")
         if r["load_hidden"] is not None:
             disk += f"  load {1000 * r['load_s']:.1f} ms, {r['load_hidden']:.0%} hidden"
         print(f"{r['config']:15s} median TTFT {1000 * r['median_ttft_s']:7.1f} ms  hits {r['hit_rate']:.0%} "
               f"{ {k: f'{v:.0%}' for k, v in r['hit_rate_by_tier'].items()} }{ratio}{kl}{disk}")
     if shared:
         for k, v in shared.items():
-            print(f"shared: {k}: median TTFT {1000 * v['median_ttft_s']:.1f} ms, hits {v['hit_rate']:.0%}, "
+            print(f"shared: {k}: median TTFT {1000 * v['median_ttft_s']:.1f} ms (mean {1000 * v['mean_ttft_s']:.1f}), "
+                  f"hits {v['hit_rate']:.0%}, "
                   f"remote {v['hit_rate_by_tier']['remote']:.0%}, prefilled {v['prefilled_tokens']} tokens, "
-                  f"{v['vit_calls']} ViT calls")
+                  f"{v['vit_calls']} ViT calls"
+                  + (f", {v['vs_single_by_turn_median']:.2f}x single+host turn by turn" if k == "shared" else ""))
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -176,6 +197,9 @@ def run_shared(model, trace, device_bytes, args, work) -> dict:
         out["shared"] = run_config_interleaved(engines, halves, args)
         for s in stores:
             s.close()
+    # Turn by turn, the shared pair against the single warm instance (the same turns, the same reuse).
+    out["shared"]["vs_single_by_turn_median"] = statistics.median(
+        t / s for s, t in zip(out["single+host"]["ttft_by_turn_s"], out["shared"]["ttft_by_turn_s"]))
     return out
 
 
@@ -196,6 +220,8 @@ def run_config_interleaved(engines, halves, args) -> dict:
     warm = [x for x in rows if x["turn"] >= args.warm_turns // 2]
     images = sum(x["images"] for x in warm)
     return {"median_ttft_s": statistics.median(x["ttft_s"] for x in warm),
+            "mean_ttft_s": statistics.fmean(x["ttft_s"] for x in warm),
+            "ttft_by_turn_s": [x["ttft_s"] for x in warm],
             "prefilled_tokens": sum(x["prefilled"] for x in warm), "vit_calls": sum(x["vit_calls"] for x in warm),
             "hit_rate": sum(x["hits"] for x in warm) / images,
             "hit_rate_by_tier": {t: sum(x[t] for x in warm) / images for t in ("host", "disk", "remote")}}

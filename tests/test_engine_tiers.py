@@ -159,15 +159,52 @@ def test_prefetch_lifts_items_from_disk_into_host_memory(tmp_path):
         assert tiers.stats["prefetched"] == 1 and tiers.stats["prefetch_seconds"] > 0
         got = tiers.fetch(ns, keys[0], check)
         assert got.tier == "host" and torch.equal(got.kv, kv) and got.position == 5
-        # A fetch of an item still on its way waits for it, then finds it in host memory.
+        # Until fetched, what the plan asked for (keys[1], keys[2]) is not spilled: the newcomer goes down.
         tiers.demote(ns, keys[2], kv, position=5, check=check)
-        tiers.demote(ns, keys[0], kv, position=5, check=check)  # keys[1] spills to disk
+        tiers.demote(ns, keys[0], kv, position=5, check=check)
+        assert keys[1] in tiers._host and keys[2] in tiers._host and keys[0] in tiers.disk
         assert tiers.stats["to_disk"] == 2
-        pending = tiers.prefetch([(ns, keys[1], check)])
-        got = tiers.fetch(ns, keys[1], check)
+        # A fetch of an item still on its way waits for it, then finds it in host memory.
+        assert tiers.fetch(ns, keys[1], check).tier == "host"  # makes room
+        pending = tiers.prefetch([(ns, keys[0], check)])
+        got = tiers.fetch(ns, keys[0], check)
         assert pending[0].done() and got is not None and got.tier == "host"
     finally:
         tiers.close()
+
+
+@pytest.mark.parametrize("host_images", [2, 0])
+def test_a_turn_prefetches_what_it_will_take_from_disk_as_soon_as_it_is_admitted(model, tmp_path, host_images):
+    """The first screenshot goes pool -> host -> disk; the turn that re-sends it starts lifting it
+    up as soon as its plan is known (room for two images in host memory: the one this turn also
+    takes from there stays, the other goes down), or, without a host tier, reads it from disk
+    itself. Either way the tokens are the reference's (lossless disk items)."""
+    probe = make_engine(model)
+    tokens = probe.build_prompt([user_message([screenshot(0, SIZE)], "x")]).images[0].length
+    layers, _, _, heads, dim = probe.runner.k_cache.shape
+    image_bytes = layers * 2 * tokens * heads * dim * probe.runner.k_cache.element_size()
+    engine = _small_store({"host_kv_cache_bytes": host_images * image_bytes, "disk_kv_cache_dir": tmp_path / "kv",
+                           "cold_kv_qtype": None}, model)
+    reference = make_engine(model, prefix_cache=False)
+    shots = [screenshot(60 + i, SIZE) for i in range(5)]
+
+    def turn(e, images):
+        return e.chat(messages=[{"role": "system", "content": "Look."}, user_message(images, "Describe.")],
+                      max_new_tokens=4, ignore_eos=True)
+
+    for s in shots:  # the pool holds two, host memory two more: shots[0] goes down to disk
+        turn(engine, [s])
+    assert engine.lower_tiers.disk is not None and len(engine.lower_tiers.disk) >= 1
+    got = turn(engine, [shots[1], shots[0]])
+    assert got.token_ids == turn(reference, [shots[1], shots[0]]).token_ids
+    m, stats = got.metrics, engine.lower_tiers.stats
+    if host_images:
+        assert stats["prefetched"] == 1  # shots[0] came up from disk before its lookup ...
+        assert m.image_kv_host_hits == 2 and m.image_kv_disk_hits == 0  # ... and both were found in host memory
+    else:
+        assert stats["prefetched"] == 0 and m.image_kv_disk_hits == 2
+    engine.lower_tiers.close()
+    engine.check_invariants()
 
 
 def test_workflow_prefetch_brings_the_next_agents_images_up_a_tier(model, tmp_path):

@@ -164,8 +164,60 @@ def test_disk_tier_drops_damaged_files_and_keeps_foreign_ones(tmp_path):
     path.write_bytes(bytes(data))
     assert tier.get(NS, key(0)) is None and not path.exists()
     assert tier.stats()["dropped"] == 1
-    assert tier.get(Namespace("tiny-model", tenant="other"), key(1)) is None  # someone else's: kept
+    with pytest.warns(RuntimeWarning, match="another model or tenant"):
+        assert tier.get(Namespace("tiny-model", tenant="other"), key(1)) is None  # someone else's: kept
     assert key(1) in tier and tier.get(NS, key(1)) is not None
+
+
+def test_disk_tier_faults_on_disk_fall_back_with_a_warning_and_a_counter(tmp_path, monkeypatch):
+    """Each fault the issue names, made to the files themselves: a truncated file, a file of
+    another format version, files swapped between namespaces, a file removed behind the tier.
+    Each read is a miss (the caller recomputes), never someone else's or a damaged KV."""
+    from samcache.tiers import cold
+
+    tier = DiskTier(tmp_path, max_bytes=1 << 22)
+    other = Namespace("tiny-model", tenant="globex")
+    ka, kb = NS.key(hash_bytes(b"page a")), other.key(hash_bytes(b"page b"))
+
+    def file_of(k):
+        return tmp_path / (k.digest.hex() + ".samkv")
+
+    # Truncated: dropped and deleted.
+    assert tier.put(NS, ka, kv_tensor())
+    file_of(ka).write_bytes(file_of(ka).read_bytes()[:-40])
+    with pytest.warns(RuntimeWarning, match="damaged, truncated"):
+        assert tier.get(NS, ka) is None
+    assert not file_of(ka).exists() and tier.stats()["dropped"] == 1
+    # Another format version (written by a newer samcache): dropped.
+    with monkeypatch.context() as m:
+        m.setattr(cold, "VERSION", cold.VERSION + 1)
+        assert tier.put(NS, ka, kv_tensor())
+    with pytest.warns(RuntimeWarning, match="format version"):
+        assert tier.get(NS, ka) is None
+    assert tier.stats()["dropped"] == 2 and ka not in tier
+    # Swapped between namespaces: tenant globex's file under acme's name is never served to acme.
+    assert tier.put(NS, ka, kv_tensor(seed=1)) and tier.put(other, kb, kv_tensor(seed=2))
+    a, b = file_of(ka).read_bytes(), file_of(kb).read_bytes()
+    file_of(ka).write_bytes(b)
+    file_of(kb).write_bytes(a)
+    with pytest.warns(RuntimeWarning, match="another model or tenant"):
+        assert tier.get(NS, ka) is None
+    with pytest.warns(RuntimeWarning, match="another model or tenant"):
+        assert tier.get(other, kb) is None
+    assert tier.stats()["foreign"] == 2
+    # Removed behind the tier: a miss with a warning, and the tier forgets it.
+    assert tier.put(NS, ka, kv_tensor(seed=3))
+    file_of(ka).unlink()
+    with pytest.warns(RuntimeWarning, match="removed behind the tier"):
+        assert tier.get(NS, ka) is None
+    assert tier.stats()["lost"] == 1 and ka not in tier
+    # A key never written is a plain miss: no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tier.get(NS, NS.key(hash_bytes(b"never"))) is None
+    assert tier.stats()["misses"] == 1
 
 
 def test_disk_tier_survives_a_restart_in_recency_order(tmp_path):

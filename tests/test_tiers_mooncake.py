@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("mooncake.store", reason="make test installs mooncake-transfer-engine-non-cuda")
+from needs import need_module  # noqa: E402
+
+need_module("mooncake.store", "make test installs mooncake-transfer-engine-non-cuda (and Debian's libibverbs1)")
 
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
 from samcache.tiers import MooncakeStore, RemoteStoreError, RemoteTier  # noqa: E402
@@ -50,6 +53,21 @@ def test_items_round_trip_under_namespaced_keys(store):
     assert fp8.put(NS, key2, kv)
     assert (fp8.get(NS, key2).kv - kv).abs().max() < 0.2 * kv.abs().max()
     assert store.exists_many([name, RemoteTier.key_of(NS, key2), "samcache/none"]) == [True, True, False]
+
+
+def test_batches_move_through_the_registered_buffer_zero_copy(store):
+    """put_many / get_many are one batch_put_from / batch_get_into each, through the registered
+    staging buffer, which grows for a batch larger than it; absent keys are None."""
+    rng = np.random.default_rng(0)
+    items = [(f"samcache/test/batch/{i}", rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+             for i, n in enumerate((10, 70_000, 1, 3 << 20))]  # the last one outgrows the first buffer
+    assert store.put_many(items[:3]) == [True] * 3
+    first = store._staging.nbytes
+    assert store.put_many(items[3:]) == [True]
+    assert store.zero_copy and store._staging.nbytes >= 3 << 20 > first
+    got = store.get_many([k for k, _ in items] + ["samcache/test/batch/none"])
+    assert got[:4] == [d for _, d in items] and got[4] is None
+    assert store.get(items[1][0]) == items[1][1] and store.get_many([]) == [] and store.put_many([]) == []
 
 
 def test_a_damaged_item_is_removed_and_missed(store):
@@ -95,7 +113,7 @@ def test_two_engine_processes_share_image_kv_through_the_store(master, tiny_chec
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = pub.stdout.readline()
-        assert line.strip() == "published 1", line
+        assert line.strip() == "published 2", line  # the image KV and the ViT output
         store = MooncakeStore(master.master, master.metadata, segment_bytes=32 << 20, buffer_bytes=32 << 20)
         reader = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20,
                                 remote_kv_store=store, cold_kv_qtype=None)

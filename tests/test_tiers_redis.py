@@ -4,16 +4,16 @@ an unreachable server fails fast, and two engines share image KV and ViT outputs
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 
 import pytest
 import torch
 
-pytest.importorskip("redis", reason="make test installs the redis client")
-if shutil.which("redis-server") is None:
-    pytest.skip("make test installs Debian's redis-server", allow_module_level=True)
+from needs import need_module, need_program  # noqa: E402
+
+need_module("redis", "make test installs the redis client")
+need_program("redis-server", "make test installs Debian's redis-server")
 
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
 from samcache.tiers import RedisStore, RemoteStoreError, RemoteTier  # noqa: E402

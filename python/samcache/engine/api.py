@@ -644,6 +644,7 @@ class SAMcacheEngine:
                     results[i] = e
             if self.priorities is not None:
                 self.priorities.apply()
+            self._prefetch_admitted([a for a, _ in admitted])
             done = self.scheduler.run([a for a, _ in admitted])
             for i, (adm, history), out in zip(where, admitted, done):
                 if self.priorities is not None and not isinstance(out, BaseException):
@@ -664,6 +665,31 @@ class SAMcacheEngine:
                               "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3)  # chat's caller
                 self._warned_uniform = True
             return results
+
+    def _prefetch_admitted(self, admitted: list[Admission]) -> int:
+        """As soon as the admitted turns' plans are known, start bringing the images they will take
+        from disk or the shared store up into host memory (the tiers' worker thread), so decoding
+        them overlaps this step's other work (the ViT of new images, earlier requests' forwards);
+        a turn that reaches an image still on its way waits for that one only. Turns that compress
+        take no lower-tier loads (their spliced images must all be in place before the step). Needs a
+        host tier (``host_kv_cache_bytes``) for the items to come up into."""
+        lower = self.lower_tiers
+        # Items come up into host memory: without room there a prefetch would be read twice.
+        if (lower is None or self.executor.transfer is None or not lower.host_bytes
+                or (lower.disk is None and lower.remote is None)):
+            return 0
+        items, seen = [], set()
+        for adm in admitted:
+            if not adm.options.use_image_kv or adm.options.compression is not None:
+                continue
+            for slot in self.executor.layout(adm.prompt, adm.namespace).images:
+                if slot.key in seen or slot.key in self.image_kv_store:
+                    continue
+                seen.add(slot.key)
+                # Local tiers are asked without I/O; the shared store only from the worker.
+                if lower.remote is not None or lower.holds(slot.key):
+                    items.append((adm.namespace, slot.key, self.executor.kv_check(adm.prompt.images[slot.index], None)))
+        return len(lower.prefetch(items))
 
     def _result(self, req: ChatRequest, adm: Admission, history: list[dict], out: Finished) -> ChatResult:
         m = out.prepared.metrics

@@ -533,9 +533,9 @@ class Executor:
             m.vit_calls += 1
             if options.use_vit and options.store_vit:
                 self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
-            if remote is not None and options.store_vit:  # what this instance encoded, others reuse
-                remote.put_tensors(namespace, namespace.key(span.image.content), "vit", [out[0], *out[1]],
-                                   {"check": [int(v) for v in span.image.grid]})
+            if remote is not None and options.store_vit:  # what this instance encoded, others reuse (written off-thread)
+                lower.publish_tensors(namespace, namespace.key(span.image.content), "vit", [out[0], *out[1]],
+                                      {"check": [int(v) for v in span.image.grid]})
 
     def spill_vit(self, key, out: tuple, grid) -> None:
         """A ViT output the ViT cache lets go, written to the disk tier (lossless)."""

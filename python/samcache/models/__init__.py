@@ -20,6 +20,10 @@ PRESETS: dict[str, dict] = {
     # The CPU comparison against vLLM (docs/benchmark.md): 4 layers, hidden 256, 4 heads over 2 KV
     # heads of 64 dims (the layout of the measurement in the project's anchors), 4.0 M parameters.
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768),
+    # Memory tiers on the CPU (bench/bench_tiers.py): a page's prefill costs far more than loading
+    # its KV (8 layers of hidden 512, 2 KV heads of 64 dims: 8 KiB of float32 KV a token).
+    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                   intermediate_size=1536),
     # Visual-token compression on the CPU (qwen3_vl_moe): deep enough for the seed's three stages
     # (layers 0 / 2 / 4 of 12), 8 experts, top-2.
     "moe-small": dict(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,

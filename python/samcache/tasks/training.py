@@ -441,12 +441,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="loss weight of the answer tokens against 1 for the description")
     parser.add_argument("--dense-fraction", type=float, default=TrainConfig.dense_fraction)
     parser.add_argument("--image-size", type=int, nargs=2, default=list(TrainConfig.size), metavar=("H", "W"))
+    parser.add_argument("--layers", type=int, default=MODEL_SIZES["num_hidden_layers"],
+                        help="decoder layers of a new model (ignored with --init)")
+    parser.add_argument("--heads", type=int, default=MODEL_SIZES["num_attention_heads"],
+                        help="attention heads of a new model (head_dim = hidden / heads)")
+    parser.add_argument("--kv-heads", type=int, default=MODEL_SIZES["num_key_value_heads"],
+                        help="key/value heads of a new model")
     args = parser.parse_args(argv)
     config = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, eval_examples=args.eval_examples, threads=args.threads,
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
                          answer_weight=args.answer_weight, init_from=args.init, deepen=args.deepen, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
                          size=tuple(args.image_size))
+    config.model_sizes.update(num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                              num_key_value_heads=args.kv_heads)
     if args.images:
         config.curriculum = tuple((n, 1.0) for n in args.images)
     train(args.out, config)

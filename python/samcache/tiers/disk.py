@@ -6,7 +6,9 @@ model and the tenant), written to a temporary name and renamed into place so a r
 half a file. The directory is created 0700 and every file 0600. A file that fails to decode (a bad
 checksum, another namespace, truncated, an old format version) is deleted and counted in
 ``stats()["dropped"]``; the caller recomputes the item. An intact file made for another
-namespace is a miss and stays (it is not this caller's to delete). Recency is a logical counter kept in
+namespace (copied or swapped in under this key's name) is a miss with a warning, counted in
+``"foreign"``, and stays (it is not this caller's to delete); a file removed behind the tier is a
+miss with a warning, counted in ``"lost"``. Recency is a logical counter kept in
 memory; at start the files present are taken in modification-time order, so a restarted process
 keeps what the last one cached.
 
@@ -60,7 +62,8 @@ class DiskTier:
         os.chmod(self.path, 0o700)
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recent first
-        self._stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "evictions": 0, "rejected": 0, "failed": 0}
+        self._stats = {"puts": 0, "hits": 0, "misses": 0, "dropped": 0, "evictions": 0, "rejected": 0, "failed": 0,
+                       "lost": 0, "foreign": 0}
         found = sorted((p for p in self.path.glob("*" + SUFFIX) if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
         for p in found:
             self._files[p.name] = p.stat().st_size
@@ -132,14 +135,19 @@ class DiskTier:
             data = (self.path / name).read_bytes()
         except FileNotFoundError:
             with self._lock:
-                self._files.pop(name, None)
-                self._stats["misses"] += 1
+                lost = self._files.pop(name, None) is not None
+                self._stats["lost" if lost else "misses"] += 1
+            if lost:  # it was written here and is gone: someone removed it behind the tier
+                warnings.warn(f"samcache: disk tier {self.path}: {name} was removed behind the tier; its item "
+                              "is recomputed", RuntimeWarning, stacklevel=3)
             return None
         try:
             got = decoder(data)
-        except ForeignItem:  # intact, someone else's: a miss, the file stays
+        except ForeignItem:  # intact, someone else's (copied or swapped in): a miss, the file stays
             with self._lock:
-                self._stats["misses"] += 1
+                self._stats["foreign"] += 1
+            warnings.warn(f"samcache: disk tier {self.path}: {name} holds an item of another model or tenant; "
+                          "not used, its item is recomputed", RuntimeWarning, stacklevel=3)
             return None
         except ColdFormatError:
             self._drop(name)

@@ -83,6 +83,7 @@ class LowerTiers:
         self._host_used = 0
         self._lock = threading.Lock()
         self._inflight: dict[ContentKey, Future] = {}
+        self._wanted: set[ContentKey] = set()  # keys the last prefetch asked for: not spilled to make room
         # Which host item spills to disk first: the lowest priority (then least recently used)
         # when the engine's eviction policy sets this (CachePriorities.priority_of), else LRU.
         self.priority_of: Callable[[ContentKey], int] | None = None
@@ -126,13 +127,21 @@ class LowerTiers:
                 self._host_used += size
                 rank = self.priority_of if spill_self else None
                 while self._host_used > self.host_bytes:
+                    # Items a prefetched turn is about to take stay (else it would read them back from
+                    # disk); a lift that only they could make room for is not kept.
+                    free = [k for k in self._host if k not in self._wanted and (spill_self or k != key)]
+                    if not free and not spill_self:
+                        free = [key]
+                    elif not free:
+                        free = list(self._host)
                     if rank is None:
-                        k, item = self._host.popitem(last=False)
+                        k = free[0]  # least recently used first
                     else:  # the order of _host is least recently used first: ties go by it
-                        k = min(enumerate(self._host), key=lambda ik: (rank(ik[1]), ik[0]))[1]
-                        item = self._host.pop(k)
+                        k = min(enumerate(free), key=lambda ik: (rank(ik[1]), ik[0]))[1]
+                    item = self._host.pop(k)
                     self._host_used -= item.kv.numel() * item.kv.element_size()
-                    spill.append((k, item))
+                    if k != key or spill_self:
+                        spill.append((k, item))  # a lift that does not fit is simply not kept: it is on disk
                 held = key in self._host
         for k, item in spill:  # disk writes outside the lock
             written = self.disk is not None and self.disk.put(item.namespace, k, item.kv, item.meta)
@@ -143,8 +152,12 @@ class LowerTiers:
     def prefetch(self, items: Iterable[tuple[Namespace, ContentKey, Any]]) -> list[Future]:
         """Bring ``items`` ((namespace, key, check) each) up into the host tier in a worker thread,
         in the given order (soonest needed first); items already in host memory or on their way are
-        skipped. Each future's result: True if the item is in host memory now."""
+        skipped. Until fetched, the items asked for (those in host memory already too) are not
+        spilled to make room for other lifts or demotions, while others can go. Each future's result: True if the item is in host memory now."""
         futures = []
+        items = list(items)
+        with self._lock:
+            self._wanted = {key for _, key, _ in items}  # the newest plan's: kept in host memory until fetched
         for namespace, key, check in items:
             with self._lock:
                 if key in self._host or key in self._inflight:
@@ -201,16 +214,28 @@ class LowerTiers:
             return False
         cpu = kv.detach().to("cpu", copy=True)  # the blocks may be reused as soon as this returns
         meta = {"position": int(position), "check": _normal(check)}
+        return self._submit(lambda: self.remote.put(namespace, key, cpu, meta), wait)
+
+    def publish_tensors(self, namespace: Namespace, key: ContentKey, kind: str, tensors: list[torch.Tensor],
+                        meta: dict, *, wait: bool = False) -> bool:
+        """As :meth:`publish`, for an item of plain tensors (``kind`` "vit": an image's ViT
+        output, lossless), also written from the publisher thread."""
+        if self.remote is None:
+            return False
+        cpu = [t.detach().to("cpu", copy=True) for t in tensors]
+        return self._submit(lambda: self.remote.put_tensors(namespace, key, kind, cpu, meta), wait)
+
+    def _submit(self, put: Callable[[], bool], wait: bool) -> bool:
         with self._lock:
             if self._publisher is None:
                 self._publisher = ThreadPoolExecutor(1, thread_name_prefix="samcache-publish")
-            future = self._publisher.submit(self._publish_now, namespace, key, cpu, meta)
+            future = self._publisher.submit(self._publish_now, put)
             self._publishing.add(future)
         future.add_done_callback(self._published)
         return future.result() if wait else True
 
-    def _publish_now(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict) -> bool:
-        ok = self.remote.put(namespace, key, kv, meta)  # RemoteTier.put never raises for the store's faults
+    def _publish_now(self, put: Callable[[], bool]) -> bool:
+        ok = put()  # RemoteTier's puts never raise for the store's faults
         if ok:
             with self._lock:
                 self.stats["published"] += 1
@@ -243,6 +268,7 @@ class LowerTiers:
                 self.stats["prefetch_wait_seconds"] += time.perf_counter() - start
         with self._lock:
             item = self._host.get(key)
+            self._wanted.discard(key)
             if item is not None and item.namespace.digest == namespace.digest and item.meta["check"] == want:
                 del self._host[key]
                 self._host_used -= item.kv.numel() * item.kv.element_size()

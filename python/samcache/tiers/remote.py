@@ -18,6 +18,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from samcache.hashing import ContentKey, Namespace
@@ -88,17 +89,78 @@ class MooncakeStore(RemoteStore):
                                    f"setup returned {rc}")
         self._lock = threading.Lock()
         self.master = master
+        # Zero-copy transfers: items move between the store and this registered staging buffer
+        # directly (get_into / put_from; over RDMA the NIC writes it, no client-side copy); it grows
+        # to the largest batch seen. Without a registration (refused), the copying put/get.
+        self._staging: np.ndarray | None = None
+        self.zero_copy = True
+
+    def _buffer(self, nbytes: int) -> np.ndarray | None:
+        """The registered staging buffer, at least ``nbytes`` (call with the lock held)."""
+        if not self.zero_copy:
+            return None
+        if self._staging is None or self._staging.nbytes < nbytes:
+            if self._staging is not None:
+                self._store.unregister_buffer(self._staging.ctypes.data)
+            size = max(nbytes, 1 << 20, 0 if self._staging is None else 2 * self._staging.nbytes)
+            buf = np.empty(size, dtype=np.uint8)
+            if self._store.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+                self._staging, self.zero_copy = None, False
+                return None
+            self._staging = buf
+        return self._staging
 
     def put(self, key: str, data: bytes) -> bool:
-        with self._lock:
-            return self._store.put(key, bytes(data)) == 0
+        return self.put_many([(key, data)])[0]
 
     def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """One batch: the items are laid out in the staging buffer and sent from there."""
+        if not items:
+            return []
+        keys = [k for k, _ in items]
         with self._lock:
-            if self._store.is_exist(key) != 1:
-                return None
-            data = self._store.get(key)
-        return bytes(data) if data else None
+            sizes = [len(d) for _, d in items]
+            buf = self._buffer(sum(sizes))
+            if buf is None:
+                return [self._store.put(k, bytes(d)) == 0 for k, d in items]
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            for (_, d), at, n in zip(items, offsets, sizes):
+                buf[at:at + n] = np.frombuffer(d, dtype=np.uint8)
+            base = buf.ctypes.data
+            codes = self._store.batch_put_from(keys, [base + int(at) for at in offsets], sizes)
+        return [c == 0 for c in codes]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """One batch: the sizes, then every present item straight into the staging buffer."""
+        if not keys:
+            return []
+        keys = list(keys)
+        with self._lock:
+            sizes = [int(self._store.get_size(k)) for k in keys]  # < 0: absent
+            present = [i for i, n in enumerate(sizes) if n > 0]
+            out: list[bytes | None] = [None] * len(keys)
+            if not present:
+                return out
+            buf = self._buffer(sum(sizes[i] for i in present))
+            if buf is None:
+                for i in present:
+                    data = self._store.get(keys[i])
+                    out[i] = bytes(data) if data else None
+                return out
+            offsets, at = [], 0
+            for i in present:
+                offsets.append(at)
+                at += sizes[i]
+            base = buf.ctypes.data
+            got = self._store.batch_get_into([keys[i] for i in present], [base + o for o in offsets],
+                                             [sizes[i] for i in present])
+            for i, o, n in zip(present, offsets, got):
+                if n == sizes[i]:  # removed meanwhile or cut short: a miss
+                    out[i] = buf[o:o + n].tobytes()
+        return out
 
     def exists(self, key: str) -> bool:
         with self._lock:
@@ -114,6 +176,9 @@ class MooncakeStore(RemoteStore):
 
     def close(self) -> None:
         with self._lock:
+            if self._staging is not None:
+                self._store.unregister_buffer(self._staging.ctypes.data)
+                self._staging = None
             self._store.close()
 
 
