@@ -270,6 +270,33 @@ def test_engine_demotes_by_its_policy(model, tmp_path):
     assert _small_store({"host_kv_cache_bytes": 64 << 20}, model).lower_tiers.priority_of is None
 
 
+def test_a_users_own_policy_class_decides_what_goes_down(model):
+    """The policy is a small class anyone can write: most recently used out first here, so the
+    device store keeps the oldest screenshot and demotes newer ones (LRU does the opposite)."""
+    from samcache.policies import EvictionPolicy
+
+    class MostRecentFirst(EvictionPolicy):
+        name = "mru"
+
+        def priority(self, item, now):
+            return -item.last_use
+
+    shots = [screenshot(80 + i, SIZE) for i in range(6)]
+    first_kept = {}
+    for policy in ("lru", MostRecentFirst()):
+        engine = _small_store({"host_kv_cache_bytes": 64 << 20, "eviction_policy": policy}, model)
+        keys = []
+        for i, shot in enumerate(shots):
+            msgs = [{"role": "system", "content": f"Turn {i}."}, user_message([shot], "Describe.")]
+            engine.chat(messages=msgs, max_new_tokens=2)
+            prompt = engine.build_prompt(msgs)
+            keys.append(engine.executor.layout(prompt, Namespace(engine.model_id, engine.tenant)).images[0].key)
+        first_kept[getattr(policy, "name", policy)] = keys[0] in engine.image_kv_store
+        below = [k for k in keys if engine.lower_tiers.holds(k)]
+        assert below and not any(k in engine.image_kv_store for k in below)  # went down a tier, not lost
+    assert first_kept == {"lru": False, "mru": True}
+
+
 def test_evicted_prefix_blocks_come_back_from_host_memory(model, tmp_path):
     """A pool too small for two agents' contexts: the first agent's blocks are evicted by the
     second's turn; with the prefix tier they come back, and the tokens equal a roomy engine's."""

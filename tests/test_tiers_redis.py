@@ -105,6 +105,36 @@ def test_two_engines_share_image_kv_and_vit_outputs(url, tiny_checkpoints):
         e.check_invariants()
 
 
+def test_two_engines_share_prefix_blocks_and_tenants_stay_apart(url, tiny_checkpoints):
+    """A long system prompt one instance prefilled: the other takes its exact blocks from the
+    store instead of prefilling them (the same tokens as a fresh engine), once; another tenant's
+    prompt with the same text finds nothing (the prefix hash chains from the tenant)."""
+    pytest.importorskip("transformers")
+    from samcache.engine import SAMcacheEngine
+
+    model = tiny_checkpoints["qwen2_5_vl"]
+    system = "You are the planner. " + " ".join(f"rule{j}" for j in range(120))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Go."}]
+
+    def engine(**kw):
+        return SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20,
+                              host_prefix_cache_bytes=8 << 20, remote_kv_store=RedisStore(url), **kw)
+
+    first, second, other = engine(), engine(), engine(tenant="globex")
+    first.chat(messages=msgs, max_new_tokens=1)
+    assert first.executor.prefix_tier.stats["published"] > 0
+    r = second.chat(messages=msgs, max_new_tokens=4, ignore_eos=True)
+    blocks = first.executor.prefix_tier.stats["published"]
+    assert r.metrics.prefix_restored_tokens == blocks * second.pool.block_size
+    assert second.executor.prefix_tier.stats["restored_from_remote"] == blocks
+    fresh = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20)
+    assert fresh.chat(messages=msgs, max_new_tokens=4, ignore_eos=True).token_ids == r.token_ids
+    assert second.executor.prefix_tier.stats["published"] == 0  # restored blocks are not offered again
+    assert other.chat(messages=msgs, max_new_tokens=1).metrics.prefix_restored_tokens == 0
+    for e in (first, second, other):
+        e.check_invariants()
+
+
 def test_the_store_going_away_degrades_to_local_tiers(tiny_checkpoints, tmp_path):
     """Kill the server mid-run: requests go on (computed or from local tiers), errors are counted."""
     pytest.importorskip("transformers")

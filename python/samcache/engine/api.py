@@ -329,7 +329,10 @@ class SAMcacheEngine:
         check_int("host_prefix_cache_bytes", host_prefix_cache_bytes, 0)
         prefix_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "prefix-blocks", disk_prefix_cache_bytes, qtype=None)
                        if disk_prefix_cache_bytes and self.use_prefix else None)
-        prefix_tier = (PrefixTier(host_prefix_cache_bytes, disk=prefix_disk, namespace=disk_namespace)
+        # With a shared store, the exact prefix blocks this instance computes are published there too.
+        prefix_remote = RemoteTier(remote_kv_store, qtype=None) if remote_kv_store is not None else None
+        prefix_tier = (PrefixTier(host_prefix_cache_bytes, disk=prefix_disk, remote=prefix_remote,
+                                  namespace=disk_namespace)
                        if host_prefix_cache_bytes and self.use_prefix else None)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
                                  image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier,
@@ -659,6 +662,8 @@ class SAMcacheEngine:
                 # Published while the turns decoded; in the shared store before the call returns, so
                 # another instance the caller tells next finds it.
                 self.lower_tiers.flush()
+            if self.executor.prefix_tier is not None:
+                self.executor.prefix_tier.flush()
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
                 warnings.warn("no sensitivity curves for this model yet: the recompute budget is uniform across layers "

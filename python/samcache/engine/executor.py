@@ -687,9 +687,32 @@ class Executor:
         m.visual_tokens_merged = n - m.layer_tokens[-1]
 
     # ---- stage 3 -------------------------------------------------------------------------------
+    def _publish_prefix(self, pre: Prepared) -> None:
+        """With a shared store under the prefix tier: publish the exact full blocks this turn
+        prefilled (from the adopted prefix to where exact KV ends), by their prefix hashes."""
+        tier = self.prefix_tier
+        if tier is None or tier.remote is None or not pre.options.register_prefix or not pre.options.use_prefix:
+            return
+        pool, bs, prompt = self.pool, self.pool.block_size, pre.prompt
+        n = len(prompt)
+        exact = max(pre.plan.prefix_tokens, pre.plan.exact_tokens)
+        if pre.compressed_from is not None:
+            exact = min(exact, pre.compressed_from)
+        first, last = pre.plan.prefix_tokens // bs, min(exact, n - 1) // bs
+        if last <= first:
+            return
+        hashes = pool.prefix_hashes(prompt.token_ids[: n - 1], prompt.extra_keys(n - 1),
+                                    namespace=self.prefix_space(pre.namespace, pre.options))
+        last = min(last, len(hashes))
+        table = pool.block_table(pre.seq)
+        kv = self.runner.read_kv(slot_ids(table, np.arange(first * bs, last * bs), bs))
+        tier.publish([(hashes[b].tobytes(), kv[:, :, (b - first) * bs:(b - first + 1) * bs])
+                      for b in range(first, last)])
+
     def register(self, pre: Prepared) -> None:
         """Keep the KV of every image this turn computed in full, or loaded whole from a lower
         tier (held in its blocks), for reuse at any position."""
+        self._publish_prefix(pre)
         loaded = self._finish_load(pre)
         self._note_compression(pre)
         if not (pre.options.store_images and pre.options.use_image_kv):

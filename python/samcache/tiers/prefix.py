@@ -6,13 +6,19 @@ promises what a full prefill computes, so no cold encoding here. The hash chains
 namespace (model and tenant), so another tenant's prompt never finds a block.
 
 With a disk tier (``disk``, lossless tensor items) the blocks host memory cannot keep spill to
-files instead of being dropped, and come back from there.
+files instead of being dropped, and come back from there. With a shared store (``remote``, a
+:class:`samcache.tiers.RemoteTier`) every exact block an instance computes is also published there
+(write-through, from a publisher thread: :meth:`PrefixTier.publish`), under
+``samcache/{namespace}/{prefix hash}/prefix``, and a block no local tier holds is looked up there
+last: a prompt prefix one instance prefilled, the others take instead of prefilling it. The hash
+chains from the model and tenant, so the store never hands a block to another tenant.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -25,15 +31,22 @@ class PrefixTier:
     hash, at most ``capacity_bytes``, least recently used out first: to ``disk`` (a
     :class:`samcache.tiers.DiskTier`, items framed under ``namespace``) when given, else dropped."""
 
-    def __init__(self, capacity_bytes: int, *, disk=None, namespace: Namespace | None = None) -> None:
+    #: Hashes remembered as published (so a prefix is not offered to the store every turn).
+    PUBLISHED_MEMORY = 1 << 16
+
+    def __init__(self, capacity_bytes: int, *, disk=None, remote=None, namespace: Namespace | None = None) -> None:
         self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 1)
-        if disk is not None and not isinstance(namespace, Namespace):
-            raise ValueError("a disk for prefix blocks needs the namespace its items are framed under")
-        self.disk, self.namespace = disk, namespace
+        if (disk is not None or remote is not None) and not isinstance(namespace, Namespace):
+            raise ValueError("a disk or shared store for prefix blocks needs the namespace its items are framed under")
+        self.disk, self.remote, self.namespace = disk, remote, namespace
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
-        self.stats = {"demoted": 0, "restored": 0, "dropped": 0, "spilled": 0, "restored_from_disk": 0}
+        self._published: OrderedDict[bytes, None] = OrderedDict()
+        self._publisher: ThreadPoolExecutor | None = None
+        self._publishing: set[Future] = set()
+        self.stats = {"demoted": 0, "restored": 0, "dropped": 0, "spilled": 0, "restored_from_disk": 0,
+                      "published": 0, "restored_from_remote": 0}
 
     def put(self, block_hash: bytes, kv: torch.Tensor) -> bool:
         """Keep a block's KV (copied to the CPU); False if it alone exceeds the capacity."""
@@ -69,14 +82,60 @@ class PrefixTier:
                 self._used -= kv.numel() * kv.element_size()
                 self.stats["restored"] += 1
                 return kv
-        if self.disk is None:
-            return None
-        got = self.disk.get_tensors(self.namespace, ContentKey(block_hash))
-        if got is None or len(got[0]) != 1:
-            return None
-        self.disk.remove(ContentKey(block_hash))  # back in the pool; it comes down again when evicted
-        self.stats["restored_from_disk"] += 1
-        return got[0][0]
+        if self.disk is not None:
+            got = self.disk.get_tensors(self.namespace, ContentKey(block_hash))
+            if got is not None and len(got[0]) == 1:
+                self.disk.remove(ContentKey(block_hash))  # back in the pool; it comes down again when evicted
+                self.stats["restored_from_disk"] += 1
+                return got[0][0]
+        if self.remote is not None:  # shared: another instance may have prefilled it (it stays there)
+            got = self.remote.get_tensors(self.namespace, ContentKey(block_hash), "prefix")
+            if got is not None and len(got[0]) == 1:
+                with self._lock:
+                    self.stats["restored_from_remote"] += 1
+                return got[0][0]
+        return None
+
+    def publish(self, blocks: list[tuple[bytes, torch.Tensor]]) -> int:
+        """Put freshly computed exact blocks ((prefix hash, KV) each) into the shared store, from
+        the publisher thread (the KV is copied now); blocks published before are skipped. The
+        number sent."""
+        if self.remote is None:
+            return 0
+        todo = []
+        with self._lock:
+            for h, kv in blocks:
+                if h in self._published:
+                    continue
+                self._published[h] = None
+                if len(self._published) > self.PUBLISHED_MEMORY:
+                    self._published.popitem(last=False)
+                todo.append((h, kv.detach().to("cpu", copy=True)))
+            if not todo:
+                return 0
+            if self._publisher is None:
+                self._publisher = ThreadPoolExecutor(1, thread_name_prefix="samcache-prefix-publish")
+            future = self._publisher.submit(self._publish_now, todo)
+            self._publishing.add(future)
+        future.add_done_callback(lambda f: self._publishing.discard(f))
+        return len(todo)
+
+    def _publish_now(self, todo: list[tuple[bytes, torch.Tensor]]) -> None:
+        for h, kv in todo:  # RemoteTier's puts never raise for the store's faults
+            if self.remote.put_tensors(self.namespace, ContentKey(h), "prefix", [kv]):
+                with self._lock:
+                    self.stats["published"] += 1
+
+    def flush(self) -> None:
+        """Wait until every block sent to :meth:`publish` is in the shared store (or refused)."""
+        for future in list(self._publishing):
+            future.exception()
+
+    def close(self) -> None:
+        self.flush()
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
+            self._publisher = None
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
