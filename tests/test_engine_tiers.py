@@ -195,6 +195,9 @@ def test_a_turn_prefetches_what_it_will_take_from_disk_as_soon_as_it_is_admitted
     for s in shots:  # the pool holds two, host memory two more: shots[0] goes down to disk
         turn(engine, [s])
     assert engine.lower_tiers.disk is not None and len(engine.lower_tiers.disk) >= 1
+    assert engine.image_tier(shots[0]) == "disk" and engine.image_tier(shots[4]) == "device"
+    assert engine.image_tier(shots[1]) == ("host" if host_images else "disk")
+    assert engine.image_tier(screenshot(99, SIZE)) is None and engine.image_tier(shots[4], tenant="x") is None
     got = turn(engine, [shots[1], shots[0]])
     assert got.token_ids == turn(reference, [shots[1], shots[0]]).token_ids
     m, stats = got.metrics, engine.lower_tiers.stats
@@ -203,6 +206,9 @@ def test_a_turn_prefetches_what_it_will_take_from_disk_as_soon_as_it_is_admitted
         assert m.image_kv_host_hits == 2 and m.image_kv_disk_hits == 0  # ... and both were found in host memory
     else:
         assert stats["prefetched"] == 0 and m.image_kv_disk_hits == 2
+    assert engine.image_tier(shots[0]) == "device"
+    tiers = engine.tier_stats()
+    assert tiers["image_kv"]["prefetched"] == stats["prefetched"] and tiers["image_kv_disk"]["hits"] >= 1
     engine.lower_tiers.close()
     engine.check_invariants()
 

@@ -398,6 +398,48 @@ class SAMcacheEngine:
         with self._lock:
             self.eviction_policy.add(workflow)
 
+    def image_tier(self, image, *, tenant: str | None = None) -> str | None:
+        """Where this image's KV is held for ``tenant`` (default: the engine's): "device" (the
+        pool's image-KV store), "host", "disk" or "remote" (the shared store: one round trip), or
+        None. The fastest tier holding it is the one a turn would take it from."""
+        with self._lock:
+            prompt = self.build_prompt([user_message([image], "")])
+            namespace = Namespace(self.model_id, self.tenant if tenant is None else tenant)
+            key = namespace.key(prompt.images[0].image.content)
+            if key in self.image_kv_store:
+                return "device"
+            lower = self.lower_tiers
+            if lower is None:
+                return None
+            if lower.in_host(key):
+                return "host"
+            if lower.disk is not None and key in lower.disk:
+                return "disk"
+            if lower.remote is not None and (namespace, key) in lower.remote:
+                return "remote"
+            return None
+
+    def tier_stats(self) -> dict[str, dict]:
+        """Counters of every memory tier this engine has (image KV below the device, its disk
+        and shared-store parts, prefix blocks, ViT outputs on disk): hits, demotions, drops,
+        damaged / foreign / lost files, publishes, prefetches."""
+        out: dict[str, dict] = {}
+        lower = self.lower_tiers
+        if lower is not None:
+            out["image_kv"] = dict(lower.stats)
+            if lower.disk is not None:
+                out["image_kv_disk"] = lower.disk.stats()
+            if lower.remote is not None:
+                out["image_kv_remote"] = dict(lower.remote.stats)
+        tier = self.executor.prefix_tier
+        if tier is not None:
+            out["prefix"] = dict(tier.stats)
+            if tier.disk is not None:
+                out["prefix_disk"] = tier.disk.stats()
+        if self.executor.vit_disk is not None:
+            out["vit_disk"] = self.executor.vit_disk.stats()
+        return out
+
     def prefetch_plan(self, horizon: int = 2) -> list:
         """With ``eviction_policy="workflow"``: the cached items (image content keys, and
         ``("context", agent)``) that the agents of the next ``horizon`` steps will need, soonest

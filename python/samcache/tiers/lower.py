@@ -282,6 +282,11 @@ class LowerTiers:
             self.stats[f"{got[2]}_hits"] += 1
         return Fetched(got[0], got[1]["position"], got[2])
 
+    def in_host(self, key: ContentKey) -> bool:
+        """Whether host memory holds ``key`` now."""
+        with self._lock:
+            return key in self._host
+
     def holds(self, key: ContentKey) -> bool:
         """Whether host memory or the disk tier holds ``key`` (local tiers only: asking the shared
         store is a network round trip)."""
