@@ -139,6 +139,7 @@ bench: install
 	$(PY) bench/bench_cpu_paths.py --threads 1
 	$(PY) bench/bench_engine.py
 	$(PY) bench/bench_batch.py --threads 1
+	$(PY) bench/bench_tiers.py --preset medium --out bench/out/tiers-medium
 
 demo: install
 	$(BUILD)/samcache_bench_core --quick

@@ -84,3 +84,5 @@ def test_cuda_loads_land_layer_by_layer_on_a_side_stream():
     load.release()
     torch.testing.assert_close(v.view(4, -1, 2, 64)[:, index].float().cpu(), kv[:, 1].to(torch.bfloat16).float(),
                                rtol=0, atol=0)
+    # Timed on the GPU's clock: the copy took time, and the stalls are part of it at most.
+    assert load.copy_seconds > 0 and 0 <= load.waited_seconds <= load.copy_seconds + 1e-3

@@ -9,7 +9,10 @@ for the layer it is about to run (:meth:`LayerLoad.wait`), never for the whole t
   event (the host never blocks).
 
 ``LayerLoad.copy_seconds`` (worker time) against ``waited_seconds`` (time the step blocked) says
-how much load time was hidden behind compute.
+how much load time was hidden behind compute. On CUDA both are measured on the GPU's clock, with
+timing events read when the load is released: the side stream's time from the load's start to its
+last layer, and for each ``wait(l)`` how long the compute stream stood still (from where it
+reached the wait to the end of layer l's copy, if later).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class LayerLoad:
             raise ValueError(f"layer {layer} is outside the load's {self.num_layers} layers")
         start = time.perf_counter()
         self._engine._wait(self._job, layer)
-        self.waited_seconds += time.perf_counter() - start
+        if not self._engine.cuda:
+            self.waited_seconds += time.perf_counter() - start
 
     def wait_all(self) -> None:
         self.wait(self.num_layers - 1)
@@ -58,6 +62,8 @@ class LayerLoad:
             return
         self.wait_all()
         self._copy_seconds = self._engine._job_seconds(self._job)
+        if self._engine.cuda:
+            self.waited_seconds = self._engine._stall_seconds(self._job)
         self._engine._release(self._job)
         self._released = True
         self._keep = None
@@ -129,32 +135,50 @@ class TransferEngine:
         index = torch.from_numpy(slots).to(device, non_blocking=True)
         flat = (self.num_layers, self.rows_per_layer, *self.row_shape)
         k_flat, v_flat = self.k_cache.view(flat), self.v_cache.view(flat)
-        events, start = [], time.perf_counter()
+        events = []
         self._stream.wait_stream(torch.cuda.current_stream(device))  # the slots' blocks are allocated
+        begin = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
+            begin.record(self._stream)
             for layer in range(self.num_layers):
                 part = src[layer].to(device, dtype=self.k_cache.dtype, non_blocking=True)
                 k_flat[layer].index_copy_(0, index, part[0])
                 v_flat[layer].index_copy_(0, index, part[1])
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self._stream)
                 events.append(ev)
         job = self._next
         self._next += 1
-        self._jobs[job] = [events, start]
+        self._jobs[job] = [events, begin, []]  # [per-layer ends, start, (reached, layer) per wait]
         return LayerLoad(self, job, (src, index), self.num_layers)
 
     # ---- what LayerLoad calls --------------------------------------------------------------------
     def _wait(self, job: Any, layer: int) -> None:
         if self.cuda:
-            torch.cuda.current_stream(self.k_cache.device).wait_event(self._jobs[job][0][layer])
+            compute = torch.cuda.current_stream(self.k_cache.device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(compute)  # where the compute stream got to when it needed layer l
+            self._jobs[job][2].append((reached, layer))
+            compute.wait_event(self._jobs[job][0][layer])
         else:
             self._native.wait(job, layer)
 
     def _job_seconds(self, job: Any) -> float:
-        if self.cuda:  # the side stream's time is not visible to the host without a sync
-            return 0.0
+        if self.cuda:  # GPU clock: from the load's start to its last layer (synchronizes on it)
+            events, begin, _ = self._jobs[job]
+            events[-1].synchronize()
+            return begin.elapsed_time(events[-1]) / 1000
         return self._native.job_seconds(job)
+
+    def _stall_seconds(self, job: Any) -> float:
+        """CUDA: how long the compute stream stood still in this load's waits (GPU clock)."""
+        events, _, waits = self._jobs[job]
+        stall = 0.0
+        for reached, layer in waits:
+            reached.synchronize()
+            events[layer].synchronize()
+            stall += max(0.0, reached.elapsed_time(events[layer]) / 1000)  # copy ended after the stream got there
+        return stall
 
     def _release(self, job: Any) -> None:
         if self.cuda:
