@@ -374,6 +374,33 @@ def test_vit_outputs_the_cache_lets_go_come_back_from_disk(model, tmp_path):
         make_engine(model, disk_vit_cache_bytes=1 << 20)
 
 
+def test_vit_outputs_go_device_then_host_memory_then_disk(model, tmp_path):
+    """One ViT output's room on the device and one in host memory: of three images, the newest
+    stays on the device, the one before in host memory, the oldest goes to disk; each comes back
+    from where it is without running the vision tower, with a fresh engine's logits."""
+    shots = [screenshot(73 + i, SIZE) for i in range(3)]
+    probe = make_engine(model)
+    one = sum(t.numel() * t.element_size() for t in [probe.runner.encode_images(*_pixels(probe, shots[0]))[0][0]])
+    engine = make_engine(model, vit_cache_bytes=one + one // 2, host_vit_cache_bytes=one + one // 2,
+                         image_kv_cache=False, prefix_cache=False, disk_kv_cache_dir=tmp_path,
+                         disk_vit_cache_bytes=64 << 20)
+    for i, shot in enumerate(shots):
+        engine.chat(images=[shot], prompt=f"turn {i}", max_new_tokens=1)
+    for shot, tier in ((shots[1], "vit_host_hits"), (shots[0], "vit_disk_hits")):
+        prompt = engine.build_prompt([user_message([shot], "again")])
+        pre, logits = engine.prefill(prompt)
+        engine.pool.free_sequence(pre.seq)
+        m = pre.metrics
+        assert getattr(m, tier) == 1 and m.vit_calls == 0 and m.vit_hits == 1
+        ref_pre, ref = probe.prefill(prompt)
+        probe.pool.free_sequence(ref_pre.seq)
+        torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    stats = engine.tier_stats()
+    assert stats["vit_host"]["hits"] == 1 and stats["vit_disk"]["hits"] == 1
+    with pytest.raises(ValueError, match="host_vit_cache_bytes"):
+        make_engine(model, host_vit_cache_bytes=-1)
+
+
 def _pixels(engine, image):
     from samcache.engine.images import prepare_image
 

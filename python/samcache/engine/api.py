@@ -163,7 +163,8 @@ class SAMcacheEngine:
     steps need up into host memory (0: no prefetch; :meth:`prefetch`). Beside them, in
     ``disk_kv_cache_dir``: ``disk_vit_cache_bytes`` of ViT outputs the ViT cache lets go and
     ``disk_prefix_cache_bytes`` of prefix blocks the host prefix tier (``host_prefix_cache_bytes``)
-    cannot keep, both lossless.
+    cannot keep, both lossless. ``host_vit_cache_bytes``: ViT outputs the (device) ViT cache lets
+    go are kept in host memory first, and only what host memory lets go goes to disk.
     """
 
     def __init__(
@@ -208,6 +209,7 @@ class SAMcacheEngine:
         host_prefix_cache_bytes: int = 0,
         disk_vit_cache_bytes: int = 0,
         disk_prefix_cache_bytes: int = 0,
+        host_vit_cache_bytes: int = 0,
     ) -> None:
         if not isinstance(compression_enabled, bool):
             raise TypeError(f"compression_enabled must be a bool, got {compression_enabled!r}")
@@ -312,9 +314,14 @@ class SAMcacheEngine:
         disk_namespace = Namespace(self.model_id, "samcache/disk")
         vit_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "vit", disk_vit_cache_bytes, qtype=None)
                     if disk_vit_cache_bytes and self.use_vit_cache else None)
+        to_disk = None if vit_disk is None else lambda k, out, grid: self.executor.spill_vit(k, out, grid)
+        check_int("host_vit_cache_bytes", host_vit_cache_bytes, 0)
+        # ViT outputs: the device cache -> host memory -> disk, each letting go into the next.
+        vit_host = (TensorStore("vit-host", host_vit_cache_bytes, spill=to_disk)
+                    if host_vit_cache_bytes and self.use_vit_cache else None)
         self.vit_store = TensorStore("vit", vit_cache_bytes,
-                                     spill=None if vit_disk is None else lambda k, out, grid: self.executor.spill_vit(
-                                         k, out, grid))
+                                     spill=to_disk if vit_host is None else lambda k, out, grid: vit_host.put(
+                                         k, (out[0].cpu(), tuple(t.cpu() for t in out[1])), check=grid))
         self.lower_tiers = None
         if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None or remote_kv_store is not None):
             disk = (DiskTier(disk_kv_cache_dir, disk_kv_cache_bytes, qtype=cold_kv_qtype, block_size=block_size)
@@ -336,7 +343,7 @@ class SAMcacheEngine:
                        if host_prefix_cache_bytes and self.use_prefix else None)
         self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
                                  image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier,
-                                 vit_disk=vit_disk, disk_namespace=disk_namespace)
+                                 vit_disk=vit_disk, vit_host=vit_host, disk_namespace=disk_namespace)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
         self.eviction_policy = policy
         # Plain LRU is the pool's and the stores' own order: nothing to track or write.
@@ -436,6 +443,8 @@ class SAMcacheEngine:
             out["prefix"] = dict(tier.stats)
             if tier.disk is not None:
                 out["prefix_disk"] = tier.disk.stats()
+        if self.executor.vit_host is not None:
+            out["vit_host"] = vars(self.executor.vit_host.stats).copy()
         if self.executor.vit_disk is not None:
             out["vit_disk"] = self.executor.vit_disk.stats()
         return out

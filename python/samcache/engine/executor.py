@@ -147,7 +147,8 @@ class Executor:
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
                  image_kv_store: ImageKVStore, contexts: ContextTree | None = None,
-                 prefix_tier: PrefixTier | None = None, vit_disk=None, disk_namespace: Namespace | None = None) -> None:
+                 prefix_tier: PrefixTier | None = None, vit_disk=None, vit_host=None,
+                 disk_namespace: Namespace | None = None) -> None:
         self.runner = runner
         self.pool = pool
         self.processor = processor
@@ -156,6 +157,7 @@ class Executor:
         self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
         self.prefix_tier = prefix_tier  # evicted prefix blocks' KV in host memory, by prefix hash
         self.vit_disk = vit_disk  # ViT outputs the ViT cache let go (a DiskTier), framed under disk_namespace
+        self.vit_host = vit_host  # ... or, first, in host memory (a TensorStore of CPU tensors)
         self.disk_namespace = disk_namespace
         # Hits in the tiers below the pool load into the sequence layer by layer (TierLoad).
         self.transfer = (TransferEngine(runner.k_cache, runner.v_cache)
@@ -502,6 +504,14 @@ class Executor:
             span = prompt.images[i]
             key = namespace.key(span.image.content)
             hit = self.vit_store.get(key, check=span.image.grid) if options.use_vit else None
+            if hit is None and options.use_vit and self.vit_host is not None:
+                host = self.vit_host.get(key, check=span.image.grid)
+                if host is not None:
+                    r = self.runner
+                    hit = (host[0].to(r.device, r.dtype), tuple(t.to(r.device, r.dtype) for t in host[1]))
+                    m.vit_host_hits += 1
+                    if options.store_vit:
+                        self.vit_store.put(key, hit, check=span.image.grid)
             if hit is None and options.use_vit and self.vit_disk is not None:
                 hit = self._disk_vit(key, span)
                 if hit is not None:

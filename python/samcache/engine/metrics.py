@@ -35,6 +35,7 @@ class TurnMetrics:
     vit_calls: int = 0  # images run through the vision tower
     vit_hits: int = 0  # images whose ViT output came from the cache
     vit_remote_hits: int = 0  # of those: from the shared store (another instance encoded it)
+    vit_host_hits: int = 0  # of those: from host memory (the device ViT cache had let it go)
     vit_disk_hits: int = 0  # of those: from the disk tier (the ViT cache had let it go)
     image_kv_hits: int = 0
     image_kv_misses: int = 0
