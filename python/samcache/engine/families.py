@@ -24,6 +24,17 @@ class Family:
     rope_style: str  # samcache.ops.rope style of the text model's M-RoPE
     qk_norm: bool  # RMSNorm on q and k per head before RoPE (Qwen3)
     deepstack: bool  # vision features added to the first text layers' hidden states (Qwen3-VL)
+    vision_attr: str = "visual"  # the vision tower's attribute of model.model ("vision_tower": InternVL)
+    # How images reach the language model: "qwen" (a patch grid per image, grid_thw) or "tiles"
+    # (InternVL: the image cut into tiles plus a thumbnail, a fixed token count per tile).
+    vision_input: str = "qwen"
+
+    @property
+    def mrope(self) -> bool:
+        """Positions are (t, h, w) triples (M-RoPE); otherwise plain 1-D RoPE on row 0."""
+        from samcache.ops.rope import MROPE_STYLES
+
+        return self.rope_style in MROPE_STYLES
 
     def model_class(self):
         """The transformers class holding this family's weights."""

@@ -96,10 +96,11 @@ class ModelRunner:
         if float(rotary.attention_scaling) != 1.0 or rotary.rope_type != "default":
             raise UnsupportedModel(
                 f"rope_type {rotary.rope_type!r} (attention scaling {rotary.attention_scaling}) is not supported: "
-                "re-rotating cached keys assumes plain M-RoPE"
+                "re-rotating cached keys assumes plain (M-)RoPE"
             )
         self.inv_freq = rotary.inv_freq.detach().float().to(device)
-        self.mrope_section = [int(s) for s in rotary.mrope_section]
+        # Positions are [3, N] everywhere in the engine; 1-D RoPE families rotate by row 0.
+        self.mrope_section = [int(s) for s in rotary.mrope_section] if family.mrope else []
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else -1 for t in layer_types]
         # Fused projections: q/k/v of every layer, gate/up of dense MLPs.
@@ -119,7 +120,7 @@ class ModelRunner:
         # Uninitialised: attention reads only slots a sequence has written.
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
-        self.visual = model.model.visual
+        self.visual = getattr(model.model, family.vision_attr)
         self.deepstack_layers = len(getattr(self.config.vision_config, "deepstack_visual_indexes", []) or [])
 
     # ---- sizes ---------------------------------------------------------------------------------
@@ -138,7 +139,14 @@ class ModelRunner:
 
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[torch.Tensor, tuple]]:
-        """ViT outputs per image: (embeds [tokens, hidden], DeepStack features per layer or ())."""
+        """ViT outputs per image: (embeds [tokens, hidden], DeepStack features per layer or ()).
+        ``grid_thw``: each image's patch grid (Qwen), or each image's tile count (InternVL:
+        ``num_patches``, the tiles of all images stacked in ``pixel_values``)."""
+        if self.family.vision_input == "tiles":
+            out = self.model.model.get_image_features(pixel_values.to(self.device, self.dtype), return_dict=True)
+            tiles = [int(n) for n in torch.as_tensor(grid_thw).reshape(-1).tolist()]
+            per_image = out.pooler_output.split(tiles)  # [tiles, tokens per tile, hidden] each
+            return [(e.reshape(-1, e.shape[-1]).to(self.dtype), ()) for e in per_image]
         with fast_vision(self.visual) if self.device.type == "cpu" else contextlib.nullcontext():
             out = self.model.model.get_image_features(
                 pixel_values.to(self.device, self.dtype), grid_thw.to(self.device), return_dict=True
@@ -148,7 +156,11 @@ class ModelRunner:
         return [(e.to(self.dtype), tuple(f[i].to(self.dtype) for f in deep)) for i, e in enumerate(embeds)]
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [M, head_dim] of M-RoPE positions [3, M] (the model's own rotary module)."""
+        """cos, sin [M, head_dim] of positions [3, M] (the model's own rotary module): M-RoPE
+        triples, or row 0 for 1-D RoPE."""
+        if not self.family.mrope:
+            cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:1])
+            return cos[0], sin[0]
         cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:, None, :])
         return cos[0], sin[0]
 
@@ -392,7 +404,8 @@ class ModelRunner:
         keys = self.k_cache.view(shape).index_select(0, src)  # a copy: the op refuses views of its cache
         per_row = torch.as_tensor(np.asarray(deltas, dtype=np.int64) if isinstance(deltas, np.ndarray) else deltas,
                                   dtype=torch.int64, device=self.device)
-        deltas = per_row.expand(3, -1).contiguous()  # the same shift on all three M-RoPE axes
+        # The same shift on all three M-RoPE axes; 1-D RoPE takes it as it is.
+        deltas = per_row.expand(3, -1).contiguous() if self.family.mrope else per_row.contiguous()
         flat_k = self.k_cache.view(self.num_layers * self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         ops.rope_rerotate_write(keys, deltas, self.inv_freq, self.family.rope_style, self.mrope_section, flat_k, dst)
         values = self.v_cache.view(shape)
