@@ -72,10 +72,16 @@ def test_full_prefill_matches_transformers_forward(engines, family):
     )
     inputs = proc(text=[text], images=images, return_tensors="pt")
     assert inputs["input_ids"][0].tolist() == prompt.token_ids.tolist()
-    hf_pos, _ = engine.runner.model.model.get_rope_index(
-        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-    )
-    assert torch.equal(hf_pos[:, 0], prompt.positions)
+    if engine.family.mrope:
+        hf_pos, _ = engine.runner.model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        )
+        assert torch.equal(hf_pos[:, 0], prompt.positions)
+    else:  # 1-D RoPE (InternVL): row 0 counts tokens; rows 1-2 place image tokens on their grid
+        assert torch.equal(prompt.positions[0], torch.arange(len(prompt)))
+        span = prompt.images[0]
+        rows = prompt.positions[1:, span.start:span.end] - span.start
+        assert rows.min() == 0 and rows[0].max() < span.length and len(set(map(tuple, rows.T.tolist()))) == span.length
     with torch.no_grad():
         hf = engine.runner.model(**inputs).logits[0, -1]
     ours = full(engine, prompt)

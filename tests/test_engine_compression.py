@@ -24,9 +24,11 @@ from samcache.engine.prompt import user_message  # noqa: E402
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def moe(tiny_checkpoints):
-    return tiny_checkpoints["qwen3_vl_moe"]
+@pytest.fixture(scope="module", params=["qwen3_vl_moe", "internvl"])
+def moe(tiny_checkpoints, request):
+    """Both MoE families: Qwen3-VL-MoE (M-RoPE, DeepStack) and InternVL3.5 with Qwen3-MoE (1-D
+    RoPE, tiles: the merge reads the tokens' grid from positions rows 1-2 there too)."""
+    return tiny_checkpoints[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def _chat_inputs(processor):
         }
     ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    assert "<|vision_start|><|image_pad|><|vision_end|>" in text
+    internvl = type(processor).__name__ == "InternVLProcessor"
+    assert ("<IMG_CONTEXT>" if internvl else "<|vision_start|><|image_pad|><|vision_end|>") in text
     return processor(images=[image], text=[text], return_tensors="pt")
 
 
@@ -88,6 +89,17 @@ def test_directory_holds_a_loadable_checkpoint(built, family):
     cfg = AutoConfig.from_pretrained(path)
     assert cfg.architectures == [sm.model_class(family).__name__]
     tok = AutoTokenizer.from_pretrained(path)
+    assert cfg.text_config.eos_token_id == tok.eos_token_id == sm.SPECIAL_TOKEN_IDS["<|im_end|>"]
+    if family == "internvl":
+        # Qwen's tokens, then InternVL's image markup; a Qwen3-MoE language model with 1-D RoPE.
+        assert len(tok) == sm.TOKENIZER_SIZE + 4 <= cfg.text_config.vocab_size
+        assert cfg.image_token_id == tok.context_image_token_id == tok.convert_tokens_to_ids("<IMG_CONTEXT>") == 1040
+        assert (tok.start_image_token_id, tok.end_image_token_id) == (1038, 1039)
+        assert cfg.text_config.model_type == "qwen3_moe" and "mrope_section" not in cfg.text_config.rope_parameters
+        assert cfg.image_seq_length == (cfg.vision_config.image_size[0] // cfg.vision_config.patch_size[0] // 2) ** 2
+        proc_cfg = json.loads((path / "processor_config.json").read_text())
+        assert proc_cfg["processor_class"] == "InternVLProcessor" and proc_cfg["image_processor"]["crop_to_patches"]
+        return
     assert len(tok) == sm.TOKENIZER_SIZE <= cfg.text_config.vocab_size
     for key, token in [
         ("image_token_id", "<|image_pad|>"),
@@ -140,6 +152,25 @@ def test_processor_and_forward_pass(loaded, family):
     model, processor = loaded[family]
     cfg = model.config
     inputs = _chat_inputs(processor)
+    if family == "internvl":
+        # A 112x84 image: the 2x2 tile grid closest to its aspect (max 4 tiles) plus a thumbnail,
+        # 16 tokens a tile between <img> and </img>.
+        assert inputs["pixel_values"].shape[0] == 5
+        assert int((inputs["input_ids"] == cfg.image_token_id).sum()) == 5 * cfg.image_seq_length
+    else:
+        _check_qwen_grid(cfg, processor, inputs)
+    with torch.no_grad():
+        out = model(**inputs)
+    seq = inputs["input_ids"].shape[1]
+    assert out.logits.shape == (1, seq, cfg.text_config.vocab_size)
+    assert torch.isfinite(out.logits).all()
+
+    generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert seq < generated.shape[1] <= seq + 3
+    assert torch.equal(generated[:, :seq], inputs["input_ids"])
+
+
+def _check_qwen_grid(cfg, processor, inputs):
     assert "mm_token_type_ids" in inputs
 
     # The image becomes a (1, h, w) patch grid of the resized image; every 2x2 block of patches
@@ -151,16 +182,6 @@ def test_processor_and_forward_pass(loaded, family):
     n_image = int((inputs["input_ids"] == cfg.image_token_id).sum())
     assert n_image == (rh // patch // merge) * (rw // patch // merge) > 0
     assert inputs["pixel_values"].shape[0] == (rh // patch) * (rw // patch)
-
-    with torch.no_grad():
-        out = model(**inputs)
-    seq = inputs["input_ids"].shape[1]
-    assert out.logits.shape == (1, seq, cfg.text_config.vocab_size)
-    assert torch.isfinite(out.logits).all()
-
-    generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
-    assert seq < generated.shape[1] <= seq + 3
-    assert torch.equal(generated[:, :seq], inputs["input_ids"])
 
 
 def test_moe_router_logits_and_deepstack(loaded):

@@ -98,3 +98,21 @@ def test_keys_rerotated_to_a_new_position_equal_keys_computed_there(model):
     torch.testing.assert_close(k[moved], k[np.arange(n) + 8 * 16], atol=2e-5, rtol=1e-5)
     v = runner.v_cache[0].reshape(-1, 2, 32)
     assert torch.equal(v[moved], v[src])
+
+
+def test_an_internvl_checkpoint_with_another_language_model_is_refused(tiny_checkpoints, tmp_path):
+    """InternVL3.5 ships dense (Qwen3) and MoE language models; the engine runs the MoE ones."""
+    import json
+    import shutil
+
+    from samcache import UnsupportedModel
+    from samcache.engine.families import detect_family
+
+    assert detect_family(tiny_checkpoints["internvl"]).name == "internvl"
+    copy = tmp_path / "dense-internvl"
+    shutil.copytree(tiny_checkpoints["internvl"], copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "qwen3"
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="InternVL checkpoint with a qwen3 language model"):
+        detect_family(copy)

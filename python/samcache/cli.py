@@ -30,8 +30,8 @@ def _bench(args) -> int:
         ratios = parse_ratios(args.recompute if args.recompute is not None else "0.05")
         if args.compression is not None:
             args.compression = parse_keeps(args.compression)
-            if args.model is None and args.family != "qwen3_vl_moe":  # before minutes of building a checkpoint
-                raise ValueError(f"--compression needs an MoE model: --family qwen3_vl_moe, not {args.family}")
+            if args.model is None and args.family not in ("qwen3_vl_moe", "internvl"):  # before building a checkpoint
+                raise ValueError(f"--compression needs an MoE model: --family qwen3_vl_moe or internvl, not {args.family}")
         elif any(MODES[m].needs_compression for m in modes):
             raise ValueError(f"mode(s) {', '.join(m for m in modes if MODES[m].needs_compression)} need --compression")
     except ValueError as e:
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default=None,
                    help="comma-separated (default baseline,prefix,samcache), from: " + ", ".join(MODES))
     b.add_argument("--model", help="checkpoint directory (default: build a tiny random one of --family)")
-    b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe"])
+    b.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl_moe", "internvl"])
     b.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="sizes of the built checkpoint: tiny, or real sizes with random weights (GPU)")
     b.add_argument("--keep-model", action="store_true", help="keep the built checkpoint after the run")
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--recompute", default=None, help="recompute ratio(s), comma-separated: a sweep (default 0.05)")
     b.add_argument("--compression", default=None, metavar="KEEP",
                    help="visual-token compression keep ratio(s), comma-separated (e.g. 1.0,0.5,0.25,0.11): every "
-                        "mode runs once per ratio with compression on (MoE checkpoints: --family qwen3_vl_moe)")
+                        "mode runs once per ratio with compression on (MoE checkpoints: --family qwen3_vl_moe or internvl)")
     b.add_argument("--repeat", type=int, default=1,
                    help="run the trace N times with fresh engines; each turn's TTFT is its median over the N")
     b.add_argument("--max-new-tokens", type=int, default=8)

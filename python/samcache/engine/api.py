@@ -35,10 +35,10 @@ from samcache.block_pool import BlockPool
 from samcache.compression.settings import DEFAULT_KEEP, CompressionSettings
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.families import detect_family
-from samcache.engine.images import ImageGeometry, prepare_image, preprocess_params
+from samcache.engine.images import ImageGeometry, TileGeometry, prepare_image, preprocess_params
 from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
 from samcache.engine.metrics import TurnMetrics
-from samcache.engine.prompt import Prompt, build_prompt, normalize_messages, user_message
+from samcache.engine.prompt import Prompt, build_prompt, build_prompt_tiles, normalize_messages, user_message
 from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.scheduler import Admission, Finished, Scheduler
@@ -283,7 +283,11 @@ class SAMcacheEngine:
         self.pool = BlockPool(self.runner.num_blocks, block_size)
         self.processor = load_processor(self.model_path)
         self.tokenizer = self.processor.tokenizer
-        self.geometry = ImageGeometry.from_processor(self.processor.image_processor)
+        if self.family.vision_input == "tiles":  # InternVL: tiles of a fixed token count
+            self.geometry = TileGeometry.from_processor(self.processor.image_processor,
+                                                        self.processor.image_seq_length)
+        else:
+            self.geometry = ImageGeometry.from_processor(self.processor.image_processor)
         self._preprocess = preprocess_params(self.processor.image_processor)
         cfg = self.runner.config
         self.image_token_id = int(cfg.image_token_id)
@@ -580,6 +584,10 @@ class SAMcacheEngine:
         images = [prepare_image(im, self.geometry, self._preprocess) for im in raw_images]
         text = self.processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if isinstance(self.geometry, TileGeometry):
+            tok = self.tokenizer
+            return build_prompt_tiles(ids, images, image_token_id=self.image_token_id, start_id=tok.start_image_token_id,
+                                      end_id=tok.end_image_token_id, coordinates=self.geometry.coordinates)
         return build_prompt(ids, images, image_token_id=self.image_token_id, merge_size=self.geometry.merge_size)
 
     @property
@@ -620,7 +628,7 @@ class SAMcacheEngine:
         if dense:
             raise ValueError(
                 f"compression_enabled=True needs an MoE language model (its router logits score the visual tokens); "
-                f"{self.family.name} layer(s) {dense} have a dense MLP. Use a Qwen3-VL-MoE checkpoint, or stage layers "
+                f"{self.family.name} layer(s) {dense} have a dense MLP. Use a Qwen3-VL-MoE or InternVL3.5-MoE checkpoint, or stage layers "
                 "that are MoE layers (compression_layers=...)")
         if any(w > 0 for w in runner.windows):
             raise ValueError("compression_enabled=True does not support sliding-window layers: compacted layers "

@@ -533,8 +533,14 @@ class Executor:
             return
         pixels = [prompt.images[i].image.pixels for i in missing]
         # Always HxWx3: left to guess, the processor reads a 1- or 3-pixel-tall image as channels-first.
-        inputs = self.processor.image_processor(images=pixels, return_tensors="pt", input_data_format="channels_last")
-        outputs = self.runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+        if self.runner.family.vision_input == "tiles":  # InternVL: tiles (and a thumbnail) per image
+            inputs = self.processor.image_processor(images=pixels, return_tensors="pt", input_data_format="channels_last",
+                                                    crop_to_patches=True)
+            outputs = self.runner.encode_images(inputs["pixel_values"], torch.as_tensor(inputs["num_patches"]))
+        else:
+            inputs = self.processor.image_processor(images=pixels, return_tensors="pt",
+                                                    input_data_format="channels_last")
+            outputs = self.runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
         for i, out in zip(missing, outputs):
             span = prompt.images[i]
             if tuple(out[0].shape) != (span.length, self.runner.hidden_size):

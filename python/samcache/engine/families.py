@@ -50,6 +50,9 @@ FAMILIES: dict[str, Family] = {
                qk_norm=False, deepstack=False),
         Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor", "mrope_interleaved",
                qk_norm=True, deepstack=True),
+        # InternVL3.5 with a Qwen3-MoE language model (the MoE checkpoints, e.g. InternVL3.5-30B-A3B).
+        Family("internvl", "InternVLForConditionalGeneration", "InternVLProcessor", "neox",
+               qk_norm=True, deepstack=False, vision_attr="vision_tower", vision_input="tiles"),
     )
 }
 
@@ -78,6 +81,12 @@ def detect_family(model_path: str | pathlib.Path) -> Family:
         raise UnsupportedModel(f"{config} is not valid JSON: {e}") from None
     for family in FAMILIES.values():
         if family.architecture in architectures:
+            if family.name == "internvl":
+                text = (json.loads(config.read_text(encoding="utf-8")).get("text_config") or {}).get("model_type")
+                if text != "qwen3_moe":
+                    raise UnsupportedModel(
+                        f"{path} is an InternVL checkpoint with a {text or 'unknown'} language model; samcache's "
+                        "engine runs InternVL3.5 with a Qwen3-MoE language model (the *-A3B checkpoints)")
             return family
     raise UnsupportedModel(
         f"{path} holds architecture {architectures or '(none)'}; samcache's engine runs "

@@ -85,6 +85,51 @@ class ImageGeometry:
         return 1, h // self.patch_size, w // self.patch_size
 
 
+@dataclass(frozen=True)
+class TileGeometry:
+    """InternVL's image settings: the image is resized to a grid of square tiles whose aspect ratio
+    is closest to its own (``min_patches`` to ``max_patches`` tiles), plus a thumbnail of the
+    whole image when there is more than one tile; each tile becomes ``tokens_per_tile`` tokens."""
+
+    tile_size: int
+    min_patches: int
+    max_patches: int
+    tokens_per_tile: int
+    merge_size: int = 1  # the grid is already in tokens (engine code reading merge_size divides by it)
+
+    @classmethod
+    def from_processor(cls, image_processor, tokens_per_tile: int) -> "TileGeometry":
+        size = image_processor.size
+        side = int(size["height"] if isinstance(size, dict) else size.height)
+        return cls(tile_size=side, min_patches=int(image_processor.min_patches),
+                   max_patches=int(image_processor.max_patches), tokens_per_tile=int(tokens_per_tile))
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """(tiles, rows, cols): the tile grid the processor cuts an image of this size into (tiles
+        counts the thumbnail)."""
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+        cols, rows = get_optimal_tiled_canvas((height, width), (self.tile_size, self.tile_size),
+                                              self.min_patches, self.max_patches)
+        return rows * cols + (1 if rows * cols > 1 else 0), rows, cols
+
+    def tokens(self, grid: tuple[int, int, int]) -> int:
+        return grid[0] * self.tokens_per_tile
+
+    def coordinates(self, grid: tuple[int, int, int]) -> np.ndarray:
+        """int64 [2, tokens]: (row, col) of each image token on the image's token grid, in token
+        order (tiles row-major, each tile's tokens row-major); the thumbnail's tokens sit in a block
+        of their own right of the tiles. What compression's spatial spread reads."""
+        tiles, rows, cols = grid
+        g = int(round(self.tokens_per_tile ** 0.5))
+        k = np.arange(tiles * self.tokens_per_tile)
+        tile, i, j = k // self.tokens_per_tile, (k % self.tokens_per_tile) // g, k % g
+        thumb = tile >= rows * cols
+        r = np.where(thumb, i, (tile // cols) * g + i)
+        c = np.where(thumb, cols * g + 1 + j, (tile % cols) * g + j)
+        return np.stack([r, c]).astype(np.int64)
+
+
 @dataclass
 class PreparedImage:
     """One image of a request: RGB pixels, content hash, patch grid and token count."""
@@ -95,10 +140,13 @@ class PreparedImage:
     num_tokens: int
 
 
-def prepare_image(image: Any, geometry: ImageGeometry, preprocess: dict[str, Any]) -> PreparedImage:
+def prepare_image(image: Any, geometry: ImageGeometry | TileGeometry, preprocess: dict[str, Any]) -> PreparedImage:
     pixels = load_rgb(image)
     grid = geometry.grid(*pixels.shape[:2])
-    tokens = grid[0] * grid[1] * grid[2] // (geometry.merge_size**2)
+    if isinstance(geometry, TileGeometry):
+        tokens = geometry.tokens(grid)
+    else:
+        tokens = grid[0] * grid[1] * grid[2] // (geometry.merge_size**2)
     return PreparedImage(pixels, hash_image(pixels, preprocess=preprocess), grid, tokens)
 
 
@@ -106,9 +154,10 @@ def preprocess_params(image_processor) -> dict[str, Any]:
     """Every image processor setting that changes the pixels the ViT sees (part of the hash)."""
     d = image_processor.to_dict()
     keep = ("size", "do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean", "image_std",
-            "merge_size", "patch_size", "resample", "rescale_factor", "temporal_patch_size", "image_processor_type")
+            "merge_size", "patch_size", "resample", "rescale_factor", "temporal_patch_size", "image_processor_type",
+            "crop_to_patches", "min_patches", "max_patches")
     out = {k: d[k] for k in keep if k in d}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-__all__ = ["ImageGeometry", "PreparedImage", "load_rgb", "prepare_image", "preprocess_params"]
+__all__ = ["ImageGeometry", "PreparedImage", "TileGeometry", "load_rgb", "prepare_image", "preprocess_params"]

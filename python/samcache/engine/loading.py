@@ -104,7 +104,7 @@ def load_processor(path: str | pathlib.Path):
         from transformers import AutoProcessor
 
         return AutoProcessor.from_pretrained(path)
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+    from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, Qwen2VLImageProcessorPil
 
     config = json.loads((path / "processor_config.json").read_text())
     processor_class = config["processor_class"]
@@ -112,12 +112,17 @@ def load_processor(path: str | pathlib.Path):
         raise ValueError(f"{path} holds a {processor_class}, not the processor of a family samcache runs "
                          f"({', '.join(sorted(f.processor_class for f in FAMILIES.values()))})")
     cfg = {k: v for k, v in config["image_processor"].items() if k not in ("image_processor_type", "processor_class")}
-    image_processor = Qwen2VLImageProcessorPil(**cfg)
+    extra = {}
+    if processor_class == "InternVLProcessor":  # tiles (GOT-OCR2's cropping) and tokens per tile
+        image_processor = GotOcr2ImageProcessorPil(**cfg)
+        extra["image_seq_length"] = int(config["image_seq_length"])
+    else:
+        image_processor = Qwen2VLImageProcessorPil(**cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
     return _no_video_processor_class(processor_class)(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
-    )
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template,
+        **extra)
 
 
 __all__ = ["load_processor", "model_fingerprint", "resolve_device", "resolve_dtype"]

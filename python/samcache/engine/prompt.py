@@ -95,6 +95,45 @@ def build_prompt(
     )
 
 
+def build_prompt_tiles(
+    token_ids: Sequence[int], images: Sequence[PreparedImage], *, image_token_id: int, start_id: int, end_id: int,
+    coordinates,
+) -> Prompt:
+    """InternVL's layout: each ``image_token_id`` placeholder becomes ``start_id`` + the image's
+    tokens + ``end_id`` (what ``InternVLProcessor`` writes), and positions are plain 1-D. Row 0 of
+    ``positions`` is the RoPE position; for image tokens rows 1 and 2 hold the image's start plus
+    the token's (row, col) on the image's token grid (``coordinates(grid)``), so moving an image
+    still moves every row by one delta, and compression reads the layout as it does M-RoPE's."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    holes = np.flatnonzero(ids == image_token_id)
+    if holes.size != len(images):
+        raise ValueError(
+            f"the prompt has {holes.size} image placeholder(s) but {len(images)} image(s) were given "
+            "(does the text itself contain <IMG_CONTEXT>?)"
+        )
+    out_ids, spans, coords = [], [], []
+    cursor, n = 0, 0
+    for index, (hole, image) in enumerate(zip(holes.tolist(), images)):
+        text = np.concatenate([ids[cursor:hole], [start_id]])
+        out_ids.append(text)
+        n += text.size
+        out_ids.append(np.full(image.num_tokens, image_token_id, dtype=np.int64))
+        spans.append(ImageSpan(index, n, image.num_tokens, image))
+        coords.append((n, coordinates(image.grid)))
+        n += image.num_tokens
+        out_ids.append(np.array([end_id], dtype=np.int64))
+        n += 1
+        cursor = hole + 1
+    out_ids.append(ids[cursor:])
+    token_ids_ = np.concatenate(out_ids)
+    positions = torch.arange(token_ids_.size).expand(3, -1).clone()
+    for start, grid_coords in coords:
+        rc = torch.from_numpy(grid_coords) + start
+        positions[1:, start:start + rc.shape[1]] = rc
+    return Prompt(token_ids=token_ids_.astype(np.int32), positions=positions.contiguous(), images=spans,
+                  next_position=int(token_ids_.size))
+
+
 #: The roles Qwen-VL's chat template knows; anything else would be rendered verbatim as a role.
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -140,4 +179,5 @@ def user_message(images: Sequence[Any], prompt: str) -> dict:
     return {"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": prompt}]}
 
 
-__all__ = ["ImageSpan", "Prompt", "build_prompt", "image_positions", "normalize_messages", "user_message"]
+__all__ = ["ImageSpan", "Prompt", "build_prompt", "build_prompt_tiles", "image_positions", "normalize_messages",
+           "user_message"]

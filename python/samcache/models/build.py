@@ -70,7 +70,7 @@ from typing import Any
 from samcache.engine.families import FAMILIES as _REGISTRY
 from samcache.engine.families import get_family
 from samcache.engine.loading import load_processor  # noqa: F401  (re-exported: builders load what they wrote)
-from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
+from samcache.models.tokenizer import INTERNVL_TOKENS, SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
 
 FAMILIES = tuple(_REGISTRY)  # the family names of samcache.engine.families
 
@@ -82,6 +82,8 @@ _TOKEN_IDS = {
     "vision_start_token_id": SPECIAL_TOKEN_IDS["<|vision_start|>"],
     "vision_end_token_id": SPECIAL_TOKEN_IDS["<|vision_end|>"],
 }
+#: InternVL's image-context token: the third of its markup tokens after Qwen's (1040).
+_INTERNVL_IMAGE_ID = TOKENIZER_SIZE + list(INTERNVL_TOKENS).index("context_image_token")
 _BOS = SPECIAL_TOKEN_IDS["<|endoftext|>"]
 _EOS = SPECIAL_TOKEN_IDS["<|im_end|>"]
 _PAD = SPECIAL_TOKEN_IDS["<|endoftext|>"]
@@ -175,6 +177,47 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
             "image_std": [0.5, 0.5, 0.5],
         },
     },
+    "internvl": {
+        "text": {  # Qwen3-MoE, as InternVL3.5's MoE models (1-D RoPE, QK-norm, every layer MoE)
+            "vocab_size": _VOCAB_SIZE,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "hidden_act": "silu",
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "bos_token_id": _BOS,
+            "eos_token_id": _EOS,
+            "pad_token_id": _PAD,
+        },
+        "vision": {  # InternViT: 64 px tiles of 8 px patches, pixel-shuffled to 16 tokens a tile
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "image_size": 64,
+            "patch_size": 8,
+        },
+        "top": {"tie_word_embeddings": False, "image_token_id": _INTERNVL_IMAGE_ID, "downsample_ratio": 0.5,
+                "image_seq_length": None},  # derived: (image_size / patch_size)^2 * downsample_ratio^2
+        "processor": {
+            "min_patches": 1,
+            "max_patches": 4,  # InternVL3.5's is 12; 4 keeps a test screenshot at 5 tiles (80 tokens)
+            "image_mean": [0.485, 0.456, 0.406],
+            "image_std": [0.229, 0.224, 0.225],
+        },
+    },
 }
 
 # Qwen chat markup shared by both templates: turns and vision placeholders (the engine looks
@@ -207,6 +250,17 @@ _QWEN2_5_VL_CHAT_TEMPLATE = (
 # Instruct models); tool calls and thinking blocks of the real template are left out.
 _QWEN3_VL_CHAT_TEMPLATE = _CHAT_COUNTERS + "{% for message in messages %}" + _CHAT_TURNS
 
+# InternVL3.5's markup: Qwen's turns, one <IMG_CONTEXT> line per image (the processor expands it
+# to <img> + <IMG_CONTEXT> x tokens + </img>); no default system prompt.
+_INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<IMG_CONTEXT>\n"
+    "{% elif content['type'] == 'video' or 'video' in content %}<video>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def _classes(family: str):
     """(top config, text config, vision config, model, processor class, chat template); the model
@@ -222,6 +276,10 @@ def _classes(family: str):
         )
 
         configs, template = (Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig), _QWEN2_5_VL_CHAT_TEMPLATE
+    elif family == "internvl":
+        from transformers import InternVLConfig, InternVLVisionConfig, Qwen3MoeConfig
+
+        configs, template = (InternVLConfig, Qwen3MoeConfig, InternVLVisionConfig), _INTERNVL_CHAT_TEMPLATE
     else:
         from transformers import Qwen3VLMoeConfig
         from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
@@ -241,8 +299,10 @@ def _own_fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} - base
 
 
-def _fixed_id(key: str) -> int | list[int]:
-    return {**_TOKEN_IDS, "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}[key]
+def _fixed_ids(family: str) -> dict[str, int]:
+    """The config's token ids the built-in tokenizer decides."""
+    ids = {"image_token_id": _INTERNVL_IMAGE_ID} if family == "internvl" else dict(_TOKEN_IDS)
+    return {**ids, "bos_token_id": _BOS, "eos_token_id": _EOS, "pad_token_id": _PAD}
 
 
 def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
@@ -254,16 +314,19 @@ def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
     get_family(family)  # a clear error for an unknown family
     top_cls, text_cls, vision_cls, *_ = _classes(family)
     spec = copy.deepcopy(DEFAULTS[family])
-    text_keys = _own_fields(text_cls) | {"rope_theta", "mrope_section"}
+    tiles = family == "internvl"
+    text_keys = _own_fields(text_cls) | ({"rope_theta"} if tiles else {"rope_theta", "mrope_section"})
     vision_keys = _own_fields(vision_cls)
     top_keys = _own_fields(top_cls) - {"text_config", "vision_config"}
-    proc_keys = {"min_pixels", "max_pixels", "image_mean", "image_std"}
-    fixed = set(_TOKEN_IDS) | {"bos_token_id", "eos_token_id", "pad_token_id"}  # set by the tokenizer
+    proc_keys = ({"min_patches", "max_patches", "image_mean", "image_std"} if tiles
+                 else {"min_pixels", "max_pixels", "image_mean", "image_std"})
+    fixed_ids = _fixed_ids(family)
+    fixed = set(fixed_ids)  # set by the tokenizer
 
     def update(section: str, allowed: set[str], items: dict[str, Any], where: str) -> None:
         for key, value in items.items():
             if key in fixed:
-                raise ValueError(f"override {where}{key!r} is fixed by the built-in tokenizer ({key} = {_fixed_id(key)})")
+                raise ValueError(f"override {where}{key!r} is fixed by the built-in tokenizer ({key} = {fixed_ids[key]})")
             if key not in allowed:
                 raise ValueError(
                     f"unknown override {where}{key!r} for {family}; allowed: {', '.join(sorted(allowed))}"
@@ -272,7 +335,7 @@ def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
 
     for key, value in overrides.items():
         if key in fixed:
-            raise ValueError(f"override {key!r} is fixed by the built-in tokenizer ({key} = {_fixed_id(key)})")
+            raise ValueError(f"override {key!r} is fixed by the built-in tokenizer ({key} = {fixed_ids[key]})")
         if key in ("text_config", "vision_config"):
             if not isinstance(value, dict):
                 raise ValueError(f"override {key} must be a dict of fields, got {type(value).__name__}")
@@ -304,6 +367,8 @@ def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even")
+    if tiles:
+        return _check_internvl(spec)
     half = head_dim // 2
     if text["mrope_section"] is None:
         if family == "qwen2_5_vl":  # Qwen2.5-VL: [16, 24, 24] of 64
@@ -340,9 +405,42 @@ def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
     return spec
 
 
+def _check_internvl(spec: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """InternVL's own checks; derives ``image_seq_length`` (tokens a tile becomes)."""
+    text, vision, top = spec["text"], spec["vision"], spec["top"]
+    size, patch = vision["image_size"], vision["patch_size"]
+    if not (isinstance(size, int) and isinstance(patch, int)) or size % patch:
+        raise ValueError(f"vision image_size {size} must be a multiple of patch_size {patch} (square tiles)")
+    side = size // patch * top["downsample_ratio"]
+    if side != int(side) or side < 1:
+        raise ValueError(f"{size // patch} patches a side cannot be pixel-shuffled by {top['downsample_ratio']}")
+    if top["image_seq_length"] is None:
+        top["image_seq_length"] = int(side) ** 2
+    if top["image_seq_length"] != int(side) ** 2:
+        raise ValueError(f"image_seq_length {top['image_seq_length']} must be {int(side) ** 2} for these tiles")
+    if vision["hidden_size"] % vision["num_attention_heads"]:
+        raise ValueError(f"vision hidden_size {vision['hidden_size']} not a multiple of "
+                         f"num_attention_heads {vision['num_attention_heads']}")
+    if not 1 <= text["num_experts_per_tok"] <= text["num_experts"]:
+        raise ValueError(f"num_experts_per_tok must lie in [1, num_experts={text['num_experts']}]")
+    if not 1 <= spec["processor"]["min_patches"] <= spec["processor"]["max_patches"]:
+        raise ValueError("the processor needs 1 <= min_patches <= max_patches")
+    if text["vocab_size"] < TOKENIZER_SIZE + len(INTERNVL_TOKENS):
+        raise ValueError(f"vocab_size {text['vocab_size']} is smaller than the tokenizer")
+    return spec
+
+
 def _make_config(family: str, spec: dict[str, dict[str, Any]]):
     top_cls, text_cls, vision_cls, *_ = _classes(family)
     text = dict(spec["text"])
+    if family == "internvl":  # 1-D RoPE
+        dtype = spec["top"]["dtype"]
+        text_config = text_cls(**{k: v for k, v in text.items() if k != "rope_theta"}, dtype=dtype,
+                               tie_word_embeddings=spec["top"]["tie_word_embeddings"],
+                               rope_parameters={"rope_type": "default", "rope_theta": text["rope_theta"]})
+        vision_config = vision_cls(**spec["vision"])
+        top = {k: v for k, v in spec["top"].items() if k != "dtype"}
+        return top_cls(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), dtype=dtype, **top)
     rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": text.pop("mrope_section")}
     if family == "qwen3_vl_moe":
         rope["mrope_interleaved"] = True
@@ -356,9 +454,14 @@ def _make_config(family: str, spec: dict[str, dict[str, Any]]):
 
 
 def _image_processor(spec: dict[str, dict[str, Any]]):
-    from transformers import Qwen2VLImageProcessorPil
+    from transformers import GotOcr2ImageProcessorPil, Qwen2VLImageProcessorPil
 
     vision, proc = spec["vision"], spec["processor"]
+    if "min_patches" in proc:  # InternVL: square tiles of the vision tower's size, plus a thumbnail
+        side = vision["image_size"]
+        return GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True,
+                                        min_patches=proc["min_patches"], max_patches=proc["max_patches"],
+                                        image_mean=list(proc["image_mean"]), image_std=list(proc["image_std"]))
     return Qwen2VLImageProcessorPil(
         size={"shortest_edge": proc["min_pixels"], "longest_edge": proc["max_pixels"]},
         patch_size=vision["patch_size"],
@@ -412,11 +515,24 @@ def _write_processor(out: pathlib.Path, family: str, spec: dict[str, dict[str, A
     import json
 
     *_, processor_cls, chat_template = _classes(family)
-    tokenizer = build_tokenizer()
+    tiles = family == "internvl"
+    tokenizer = build_tokenizer(model_tokens=INTERNVL_TOKENS if tiles else None)
     tokenizer._set_processor_class(processor_cls.__name__)
     tokenizer.save_pretrained(out)
     (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     image = _image_processor(spec).to_dict()
+    if tiles:
+        image = {k: list(v) if isinstance(v, tuple) else int(v) if k == "resample" else v for k, v in image.items()}
+        side = spec["vision"]["image_size"]
+        video = {"video_processor_type": "InternVLVideoProcessor", "size": {"height": side, "width": side},
+                 "image_mean": image["image_mean"], "image_std": image["image_std"], "do_resize": True,
+                 "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3,
+                 "rescale_factor": 1 / 255, "initial_shift": True, "do_sample_frames": False}
+        config = {"image_processor": image, "image_seq_length": spec["top"]["image_seq_length"],
+                  "processor_class": processor_cls.__name__, "video_processor": video}
+        (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                                   encoding="utf-8")
+        return
     image["image_processor_type"] = "Qwen2VLImageProcessor"
     config = {
         "image_processor": image,

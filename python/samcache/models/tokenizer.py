@@ -47,6 +47,11 @@ SPECIAL_TOKEN_IDS = {tok: BPE_VOCAB_SIZE + i for i, tok in enumerate(SPECIAL_TOK
 #: Number of ids the tokenizer knows (BPE + special tokens).
 TOKENIZER_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 
+#: InternVL's image markup, after Qwen's special tokens (ids 1038..1041) in the InternVL family's
+#: tokenizer, under the attribute names ``InternVLProcessor`` reads from the tokenizer.
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+
 
 def _byte_alphabet() -> list[str]:
     """The 256 byte-level symbols in GPT-2/Qwen order (printable bytes first)."""
@@ -102,14 +107,19 @@ def train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def build_tokenizer(model_max_length: int = 32768):
-    """A ``transformers.Qwen2Tokenizer`` over the trained BPE with Qwen's special tokens."""
+def build_tokenizer(model_max_length: int = 32768, *, model_tokens: dict[str, str] | None = None):
+    """A ``transformers.Qwen2Tokenizer`` over the trained BPE with Qwen's special tokens;
+    ``model_tokens`` (e.g. :data:`INTERNVL_TOKENS`): more special tokens after them, each also
+    reachable as the tokenizer attribute it is keyed by (``tok.context_image_token_id``)."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges = train_bpe()
     vocab = dict(vocab)
     vocab.update(SPECIAL_TOKEN_IDS)
+    extra = list((model_tokens or {}).values())
+    for i, token in enumerate(extra):
+        vocab[token] = TOKENIZER_SIZE + i
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=[tuple(m) for m in merges],
@@ -121,10 +131,13 @@ def build_tokenizer(model_max_length: int = 32768):
         errors="replace",
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
-        extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+        extra_special_tokens=list(SPECIAL_TOKENS[1:]) + extra,
+        **({"model_specific_special_tokens": dict(model_tokens)} if model_tokens else {}),
     )
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
-    got = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    if got != SPECIAL_TOKEN_IDS or len(tok) != TOKENIZER_SIZE:
-        raise RuntimeError(f"special tokens landed at {got} (len {len(tok)}), expected {SPECIAL_TOKEN_IDS}")
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *extra)],
+                   special_tokens=True)
+    want = {**SPECIAL_TOKEN_IDS, **{t: TOKENIZER_SIZE + i for i, t in enumerate(extra)}}
+    got = {t: tok.convert_tokens_to_ids(t) for t in want}
+    if got != want or len(tok) != TOKENIZER_SIZE + len(extra):
+        raise RuntimeError(f"special tokens landed at {got} (len {len(tok)}), expected {want}")
     return tok
