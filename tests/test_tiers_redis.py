@@ -122,7 +122,10 @@ def test_two_engines_share_prefix_blocks_and_tenants_stay_apart(url, tiny_checkp
 
     first, second, other = engine(), engine(), engine(tenant="globex")
     first.chat(messages=msgs, max_new_tokens=1)
-    assert first.executor.prefix_tier.stats["published"] > 0
+    published = first.executor.prefix_tier.stats["published"]
+    assert published > 0
+    first.chat(messages=msgs, max_new_tokens=1)  # the same prompt again: nothing new to offer
+    assert first.executor.prefix_tier.stats["published"] == published
     r = second.chat(messages=msgs, max_new_tokens=4, ignore_eos=True)
     blocks = first.executor.prefix_tier.stats["published"]
     assert r.metrics.prefix_restored_tokens == blocks * second.pool.block_size

@@ -719,11 +719,12 @@ class Executor:
             return
         hashes = pool.prefix_hashes(prompt.token_ids[: n - 1], prompt.extra_keys(n - 1),
                                     namespace=self.prefix_space(pre.namespace, pre.options))
-        last = min(last, len(hashes))
+        todo = [b for b in range(first, min(last, len(hashes))) if not tier.published(hashes[b].tobytes())]
+        if not todo:  # a prompt sent again: its blocks were offered before, read nothing
+            return
         table = pool.block_table(pre.seq)
-        kv = self.runner.read_kv(slot_ids(table, np.arange(first * bs, last * bs), bs))
-        tier.publish([(hashes[b].tobytes(), kv[:, :, (b - first) * bs:(b - first + 1) * bs])
-                      for b in range(first, last)])
+        kv = self.runner.read_kv(slot_ids(table, np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in todo]), bs))
+        tier.publish([(hashes[b].tobytes(), kv[:, :, i * bs:(i + 1) * bs]) for i, b in enumerate(todo)])
 
     def register(self, pre: Prepared) -> None:
         """Keep the KV of every image this turn computed in full, or loaded whole from a lower

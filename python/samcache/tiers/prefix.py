@@ -96,6 +96,11 @@ class PrefixTier:
                 return got[0][0]
         return None
 
+    def published(self, block_hash: bytes) -> bool:
+        """Whether this block was offered to the shared store already (by :meth:`publish`)."""
+        with self._lock:
+            return block_hash in self._published
+
     def publish(self, blocks: list[tuple[bytes, torch.Tensor]]) -> int:
         """Put freshly computed exact blocks ((prefix hash, KV) each) into the shared store, from
         the publisher thread (the KV is copied now); blocks published before are skipped. The
