@@ -315,7 +315,7 @@ def resolve_config(family: str, **overrides) -> dict[str, dict[str, Any]]:
     top_cls, text_cls, vision_cls, *_ = _classes(family)
     spec = copy.deepcopy(DEFAULTS[family])
     tiles = family == "internvl"
-    text_keys = _own_fields(text_cls) | ({"rope_theta"} if tiles else {"rope_theta", "mrope_section"})
+    text_keys = _own_fields(text_cls) | ({"rope_theta", "head_dim"} if tiles else {"rope_theta", "mrope_section"})
     vision_keys = _own_fields(vision_cls)
     top_keys = _own_fields(top_cls) - {"text_config", "vision_config"}
     proc_keys = ({"min_patches", "max_patches", "image_mean", "image_std"} if tiles
