@@ -39,9 +39,11 @@ def test_scores_match_a_float64_reference():
 
 def test_stage_layers_scale_the_seed_stages():
     assert stage_layers(48) == (2, 6, 15)
-    assert stage_layers(28) == (1, 4, 9)
-    assert stage_layers(4) == (0, 1)  # merged duplicates, always before the last layer
-    assert stage_layers(2) == (0,)
+    # The share of the model left uncompressed before each stage is kept: 3/48, 7/48, 16/48.
+    assert stage_layers(12) == (0, 1, 3)
+    assert stage_layers(28) == (1, 3, 8)
+    assert stage_layers(4) == (0, 1, 2)  # would-be duplicates move on, always before the last layer
+    assert stage_layers(3) == (0, 1) and stage_layers(2) == (0,)
     with pytest.raises(ValueError):
         stage_layers(1)
 
