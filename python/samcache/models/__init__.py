@@ -25,7 +25,7 @@ PRESETS: dict[str, dict] = {
     "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                    intermediate_size=1536),
     # Visual-token compression on the CPU (qwen3_vl_moe): deep enough for the seed's three stages
-    # (layers 0 / 2 / 4 of 12), 8 experts, top-2.
+    # (layers 0 / 1 / 3 of 12), 8 experts, top-2.
     "moe-small": dict(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
     # Qwen3-VL-30B-A3B's sizes (qwen3_vl_moe), random weights: for a GPU.
