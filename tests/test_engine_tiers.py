@@ -155,7 +155,7 @@ def test_prefetch_lifts_items_from_disk_into_host_memory(tmp_path):
         # keys[0] is on disk only; a wrong record or an unknown key lifts nothing.
         done = tiers.prefetch([(ns, keys[0], check), (ns, keys[1], check), (ns, keys[2], ((1, 2, 4), 10, 3))])
         assert len(done) == 2  # keys[1] is in host memory already: skipped
-        assert [f.result() for f in done] == [True, False]
+        assert [f.result() for f in done] == [True, None]  # None: no lower tier has that record
         assert tiers.stats["prefetched"] == 1 and tiers.stats["prefetch_seconds"] > 0
         got = tiers.fetch(ns, keys[0], check)
         assert got.tier == "host" and torch.equal(got.kv, kv) and got.position == 5
@@ -525,3 +525,88 @@ def test_publishing_runs_beside_the_turn_and_flush_waits_for_it():
     got = tiers.fetch(ns, key, [1])
     assert got is not None and got.position == 3 and torch.count_nonzero(got.kv) > 0
     tiers.close()
+
+
+class _MemoryStore:
+    """A RemoteStore in a dict (the interface is samcache's own), counting gets; ``down`` makes
+    every call fail as an unreachable store does."""
+
+    def __new__(cls):
+        from samcache.tiers import RemoteStore, RemoteStoreError
+
+        class Store(RemoteStore):
+            def __init__(self):
+                self.items, self.gets, self.down = {}, 0, False
+
+            def _check(self):
+                if self.down:
+                    raise RemoteStoreError("store unreachable")
+
+            def put(self, key, data):
+                self._check()
+                return self.items.setdefault(key, bytes(data)) == bytes(data)
+
+            def get(self, key):
+                self._check()
+                self.gets += 1
+                return self.items.get(key)
+
+            def exists(self, key):
+                self._check()
+                return key in self.items
+
+            def remove(self, key):
+                self._check()
+                return self.items.pop(key, None) is not None
+
+        return Store()
+
+
+def test_a_failed_publish_is_offered_again_and_a_missing_item_is_looked_up_once(tmp_path):
+    import warnings
+
+    from samcache.tiers import RemoteTier
+    from samcache.tiers.prefix import PrefixTier
+
+    store = _MemoryStore()
+    ns = Namespace("m", "t")
+    tier = PrefixTier(1 << 20, remote=RemoteTier(store, qtype=None, retry_after_s=0.0), namespace=ns)
+    block, kv = bytes(16), torch.randn(2, 2, 16, 1, 8)
+    store.down = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tier.publish([(block, kv)])
+        tier.flush()
+    assert tier.stats["published"] == 0 and not tier.published(block)  # not in the store: not marked
+    store.down = False
+    assert tier.publish([(block, kv)]) == 1
+    tier.flush()
+    assert tier.published(block) and tier.stats["published"] == 1 and tier.publish([(block, kv)]) == 0
+    tier.close()
+    # A lift that finds nothing tells the fetch waiting for it: one lookup of the store, not two.
+    lower = LowerTiers(1 << 20, remote=RemoteTier(store, qtype=None))
+    key = ns.key(hash_bytes(b"never computed"))
+    lower.prefetch([(ns, key, [1])])
+    assert lower.fetch(ns, key, [1]) is None and store.gets == 1 and lower.stats["misses"] == 1
+    lower.close()
+
+
+def test_a_lift_that_cannot_fit_moves_nothing(tmp_path):
+    """Host room for two items, one of them protected by the plan: a lift of a larger item is not
+    kept, and the unprotected item stays in host memory (it is not spilled for nothing)."""
+    ns = Namespace("m", "t")
+    small, big = torch.randn(2, 2, 10, 1, 8), torch.randn(2, 2, 15, 1, 8)
+    unit = small.numel() * 4
+    keys = [ns.key(hash_bytes(bytes([i]))) for i in range(3)]
+    tiers = LowerTiers(host_bytes=2 * unit, disk=DiskTier(tmp_path, 1 << 20, qtype=None))
+    try:
+        tiers.demote(ns, keys[2], big, position=0, check=[2])
+        tiers.demote(ns, keys[0], small, position=0, check=[0])
+        tiers.demote(ns, keys[1], small, position=0, check=[1])  # the oldest, keys[2], goes to disk
+        assert tiers.in_host(keys[0]) and tiers.in_host(keys[1]) and keys[2] in tiers.disk
+        done = tiers.prefetch([(ns, keys[0], [0]), (ns, keys[2], [2])])  # keys[0] protected, keys[2] lifted
+        assert [f.result() for f in done] == [False]  # found on disk, no room beside the protected item
+        assert tiers.in_host(keys[0]) and tiers.in_host(keys[1]) and tiers.stats["to_disk"] == 1
+        tiers.check_invariants()
+    finally:
+        tiers.close()

@@ -323,9 +323,11 @@ class SAMcacheEngine:
         # ViT outputs: the device cache -> host memory -> disk, each letting go into the next.
         vit_host = (TensorStore("vit-host", host_vit_cache_bytes, spill=to_disk)
                     if host_vit_cache_bytes and self.use_vit_cache else None)
-        self.vit_store = TensorStore("vit", vit_cache_bytes,
-                                     spill=to_disk if vit_host is None else lambda k, out, grid: vit_host.put(
-                                         k, (out[0].cpu(), tuple(t.cpu() for t in out[1])), check=grid))
+        def to_host(k, out, grid) -> None:  # an output host memory cannot hold goes on down
+            if not vit_host.put(k, (out[0].cpu(), tuple(t.cpu() for t in out[1])), check=grid) and to_disk:
+                to_disk(k, out, grid)
+
+        self.vit_store = TensorStore("vit", vit_cache_bytes, spill=to_disk if vit_host is None else to_host)
         self.lower_tiers = None
         if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None or remote_kv_store is not None):
             disk = (DiskTier(disk_kv_cache_dir, disk_kv_cache_bytes, qtype=cold_kv_qtype, block_size=block_size)
@@ -447,6 +449,8 @@ class SAMcacheEngine:
             out["prefix"] = dict(tier.stats)
             if tier.disk is not None:
                 out["prefix_disk"] = tier.disk.stats()
+            if tier.remote is not None:
+                out["prefix_remote"] = dict(tier.remote.stats)
         if self.executor.vit_host is not None:
             out["vit_host"] = vars(self.executor.vit_host.stats).copy()
         if self.executor.vit_disk is not None:

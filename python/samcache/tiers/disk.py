@@ -134,8 +134,8 @@ class DiskTier:
         try:
             data = (self.path / name).read_bytes()
         except FileNotFoundError:
-            with self._lock:
-                lost = self._files.pop(name, None) is not None
+            with self._lock:  # evicted meanwhile, or written again since: not lost
+                lost = name in self._files and not (self.path / name).exists() and self._files.pop(name, None) is not None
                 self._stats["lost" if lost else "misses"] += 1
             if lost:  # it was written here and is gone: someone removed it behind the tier
                 warnings.warn(f"samcache: disk tier {self.path}: {name} was removed behind the tier; its item "

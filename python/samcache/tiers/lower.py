@@ -67,6 +67,9 @@ class LowerTiers:
     """Host memory (``host_bytes``, 0 for none) over an optional :class:`DiskTier` and an
     optional shared :class:`RemoteTier`."""
 
+    #: Keys kept protected for prefetch plans at most (plans never fetched are then forgotten).
+    WANTED_LIMIT = 4096
+
     def __init__(self, host_bytes: int, disk: DiskTier | None = None, remote: RemoteTier | None = None, *,
                  pin_memory: bool = False) -> None:
         self.host_bytes = check_int("host_bytes", host_bytes, 0)
@@ -116,6 +119,11 @@ class LowerTiers:
         spill: list[tuple[ContentKey, _HostItem]] = []
         held = size <= self.host_bytes
         with self._lock:
+            if held and not spill_self:  # a lift only the protected items could make room for: not kept, nothing moved
+                kept = sum(i.kv.numel() * i.kv.element_size() for k, i in self._host.items()
+                           if k in self._wanted and k != key)
+                if size > self.host_bytes - kept:
+                    return False
             if not held:
                 if spill_self:
                     spill.append((key, _HostItem(namespace, kv, meta)))  # too big for host memory: straight down
@@ -153,11 +161,17 @@ class LowerTiers:
         """Bring ``items`` ((namespace, key, check) each) up into the host tier in a worker thread,
         in the given order (soonest needed first); items already in host memory or on their way are
         skipped. Until fetched, the items asked for (those in host memory already too) are not
-        spilled to make room for other lifts or demotions, while others can go. Each future's result: True if the item is in host memory now."""
+        spilled to make room for other lifts or demotions, while others can go. A future's result:
+        True (in host memory now), False (found below, not kept: no room) or None (no lower tier
+        has it: a fetch waiting for it is a miss at once)."""
         futures = []
         items = list(items)
+        if not items:
+            return futures
         with self._lock:
-            self._wanted = {key for _, key, _ in items}  # the newest plan's: kept in host memory until fetched
+            if len(self._wanted) > self.WANTED_LIMIT:  # plans that were never fetched: forget them
+                self._wanted.clear()
+            self._wanted |= {key for _, key, _ in items}  # kept in host memory until fetched
         for namespace, key, check in items:
             with self._lock:
                 if key in self._host or key in self._inflight:
@@ -169,11 +183,15 @@ class LowerTiers:
             futures.append(future)
         return futures
 
-    def _lift(self, namespace: Namespace, key: ContentKey, want: Any) -> bool:
+    def _lift(self, namespace: Namespace, key: ContentKey, want: Any) -> bool | None:
+        """True: in host memory now; False: found below but not kept; None: no lower tier has it
+        (a fetch waiting for this lift then knows it is a miss without asking again)."""
         start = time.perf_counter()
         try:
             got = self._lower_get(namespace, key, want)
-            ok = got is not None and self._to_host(namespace, key, got[0], got[1], spill_self=False)
+            if got is None:
+                return None
+            ok = self._to_host(namespace, key, got[0], got[1], spill_self=False)
             with self._lock:
                 self.stats["prefetched"] += int(ok)
             return ok
@@ -258,10 +276,11 @@ class LowerTiers:
         want = _normal(check)
         with self._lock:
             pending = self._inflight.get(key)
+        absent = False
         if pending is not None:  # on its way up: wait for this item only
             start = time.perf_counter()
             try:
-                pending.result()
+                absent = pending.result() is None
             except Exception:  # noqa: BLE001 - a failed prefetch is a plain lookup below
                 pass
             with self._lock:
@@ -274,7 +293,7 @@ class LowerTiers:
                 self._host_used -= item.kv.numel() * item.kv.element_size()
                 self.stats["host_hits"] += 1
                 return Fetched(item.kv, item.meta["position"], "host")
-        got = self._lower_get(namespace, key, want)
+        got = None if absent else self._lower_get(namespace, key, want)  # the lift just asked every tier
         with self._lock:
             if got is None:
                 self.stats["misses"] += 1

@@ -112,9 +112,6 @@ class PrefixTier:
             for h, kv in blocks:
                 if h in self._published:
                     continue
-                self._published[h] = None
-                if len(self._published) > self.PUBLISHED_MEMORY:
-                    self._published.popitem(last=False)
                 todo.append((h, kv.detach().to("cpu", copy=True)))
             if not todo:
                 return 0
@@ -128,8 +125,11 @@ class PrefixTier:
     def _publish_now(self, todo: list[tuple[bytes, torch.Tensor]]) -> None:
         for h, kv in todo:  # RemoteTier's puts never raise for the store's faults
             if self.remote.put_tensors(self.namespace, ContentKey(h), "prefix", [kv]):
-                with self._lock:
+                with self._lock:  # only a block really in the store is never offered again
                     self.stats["published"] += 1
+                    self._published[h] = None
+                    if len(self._published) > self.PUBLISHED_MEMORY:
+                        self._published.popitem(last=False)
 
     def flush(self) -> None:
         """Wait until every block sent to :meth:`publish` is in the shared store (or refused)."""

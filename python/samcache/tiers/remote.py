@@ -299,7 +299,10 @@ class RemoteTier:
     def put(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict | None = None) -> bool:
         """Publish an item (a no-op if the store already has it)."""
         name = self.key_of(namespace, key)
-        if self._safe("exists", self.store.exists, name, default=True):  # there already (or unreachable)
+        there = self._safe("exists", self.store.exists, name)
+        if there is None:  # the store failed or is being skipped: not written
+            return False
+        if there:
             return True
         data = encode(kv, namespace, key, qtype=self.qtype, per_head=self.per_head, block_size=self.block_size,
                       meta=meta).data
@@ -334,7 +337,10 @@ class RemoteTier:
                     meta: dict | None = None) -> bool:
         """Publish an item of plain tensors (e.g. kind ``"vit"``: an image's ViT output), lossless."""
         name = self.key_of(namespace, key, kind)
-        if self._safe("exists", self.store.exists, name, default=True):
+        there = self._safe("exists", self.store.exists, name)
+        if there is None:  # the store failed or is being skipped: not written
+            return False
+        if there:
             return True
         ok = self._safe("put", self.store.put, name, encode_tensors(tensors, namespace, key, meta=meta), default=False)
         self.stats["puts" if ok else "refused"] += 1
@@ -344,7 +350,8 @@ class RemoteTier:
         return self._fetch(self.key_of(namespace, key, kind), lambda data: decode_tensors(data, namespace, key))
 
     def __contains__(self, item: tuple[Namespace, ContentKey]) -> bool:
-        return self.store.exists(self.key_of(*item))
+        """Whether the store holds the item (False while the store fails or is being skipped)."""
+        return bool(self._safe("exists", self.store.exists, self.key_of(*item), default=False))
 
 
 __all__ = ["MooncakeStore", "RedisStore", "RemoteStore", "RemoteStoreError", "RemoteTier"]
