@@ -399,6 +399,14 @@ def test_vit_outputs_go_device_then_host_memory_then_disk(model, tmp_path):
     assert stats["vit_host"]["hits"] == 1 and stats["vit_disk"]["hits"] == 1
     with pytest.raises(ValueError, match="host_vit_cache_bytes"):
         make_engine(model, host_vit_cache_bytes=-1)
+    # Host memory too small for any ViT output: what the device lets go goes on to disk, not lost.
+    small = make_engine(model, vit_cache_bytes=one + one // 2, host_vit_cache_bytes=one // 2, image_kv_cache=False,
+                        prefix_cache=False, disk_kv_cache_dir=tmp_path / "small", disk_vit_cache_bytes=64 << 20)
+    for i, shot in enumerate(shots[:2]):
+        small.chat(images=[shot], prompt=f"turn {i}", max_new_tokens=1)
+    pre, _ = small.prefill(small.build_prompt([user_message([shots[0]], "again")]))
+    small.pool.free_sequence(pre.seq)
+    assert pre.metrics.vit_disk_hits == 1 and pre.metrics.vit_host_hits == 0 and pre.metrics.vit_calls == 0
 
 
 def _pixels(engine, image):
