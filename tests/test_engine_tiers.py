@@ -594,8 +594,11 @@ def test_a_failed_publish_is_offered_again_and_a_missing_item_is_looked_up_once(
     # A lift that finds nothing tells the fetch waiting for it: one lookup of the store, not two.
     lower = LowerTiers(1 << 20, remote=RemoteTier(store, qtype=None))
     key = ns.key(hash_bytes(b"never computed"))
-    lower.prefetch([(ns, key, [1])])
+    lower.prefetch([(ns, key, [1])])[0].result()  # the lift is over before the fetch looks
     assert lower.fetch(ns, key, [1]) is None and store.gets == 1 and lower.stats["misses"] == 1
+    lower.prefetch([(ns, key, [1])])
+    assert lower.fetch(ns, key, [1]) is None and store.gets == 2  # or still on its way: one lookup each time
+    assert lower.fetch(ns, key, [1]) is None and store.gets == 3  # no plan: a plain lookup
     lower.close()
 
 

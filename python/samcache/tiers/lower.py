@@ -87,6 +87,7 @@ class LowerTiers:
         self._lock = threading.Lock()
         self._inflight: dict[ContentKey, Future] = {}
         self._wanted: set[ContentKey] = set()  # keys the last prefetch asked for: not spilled to make room
+        self._absent: set[ContentKey] = set()  # lifts of the current plan that found nothing below
         # Which host item spills to disk first: the lowest priority (then least recently used)
         # when the engine's eviction policy sets this (CachePriorities.priority_of), else LRU.
         self.priority_of: Callable[[ContentKey], int] | None = None
@@ -105,6 +106,7 @@ class LowerTiers:
         kv = kv.detach().to("cpu", copy=True)
         with self._lock:
             self.stats["demoted"] += 1
+            self._absent.discard(key)  # it is below now
         self._to_host(namespace, key, kv, meta, spill_self=True)
 
     def _to_host(self, namespace: Namespace, key: ContentKey, kv: torch.Tensor, meta: dict, *,
@@ -169,6 +171,7 @@ class LowerTiers:
         if not items:
             return futures
         with self._lock:
+            self._absent.clear()  # a new plan: what the last one found missing may be there now
             if len(self._wanted) > self.WANTED_LIMIT:  # plans that were never fetched: forget them
                 self._wanted.clear()
             self._wanted |= {key for _, key, _ in items}  # kept in host memory until fetched
@@ -190,6 +193,8 @@ class LowerTiers:
         try:
             got = self._lower_get(namespace, key, want)
             if got is None:
+                with self._lock:  # the fetch for it may come after this lift is done
+                    self._absent.add(key)
                 return None
             ok = self._to_host(namespace, key, got[0], got[1], spill_self=False)
             with self._lock:
@@ -276,11 +281,14 @@ class LowerTiers:
         want = _normal(check)
         with self._lock:
             pending = self._inflight.get(key)
-        absent = False
+            absent = key in self._absent
+            self._absent.discard(key)
         if pending is not None:  # on its way up: wait for this item only
             start = time.perf_counter()
             try:
                 absent = pending.result() is None
+                with self._lock:
+                    self._absent.discard(key)
             except Exception:  # noqa: BLE001 - a failed prefetch is a plain lookup below
                 pass
             with self._lock:
