@@ -57,18 +57,25 @@ def image_positions(start: int, grid: tuple[int, int, int], merge_size: int) -> 
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start
 
 
-def build_prompt(
-    token_ids: Sequence[int], images: Sequence[PreparedImage], *, image_token_id: int, merge_size: int
-) -> Prompt:
-    """Expand each ``image_token_id`` placeholder of ``token_ids`` into its image's tokens and
-    compute every token's M-RoPE position."""
+def _placeholders(token_ids: Sequence[int], images: Sequence[PreparedImage], image_token_id: int,
+                  marker: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, positions of the image placeholders), checked against the number of images."""
     ids = np.asarray(token_ids, dtype=np.int64)
     holes = np.flatnonzero(ids == image_token_id)
     if holes.size != len(images):
         raise ValueError(
             f"the prompt has {holes.size} image placeholder(s) but {len(images)} image(s) were given "
-            "(does the text itself contain <|image_pad|>?)"
+            f"(does the text itself contain {marker}?)"
         )
+    return ids, holes
+
+
+def build_prompt(
+    token_ids: Sequence[int], images: Sequence[PreparedImage], *, image_token_id: int, merge_size: int
+) -> Prompt:
+    """Expand each ``image_token_id`` placeholder of ``token_ids`` into its image's tokens and
+    compute every token's M-RoPE position."""
+    ids, holes = _placeholders(token_ids, images, image_token_id, "<|image_pad|>")
     out_ids, out_pos, spans = [], [], []
     cursor, pos, n = 0, 0, 0
     for index, (hole, image) in enumerate(zip(holes.tolist(), images)):
@@ -104,13 +111,7 @@ def build_prompt_tiles(
     ``positions`` is the RoPE position; for image tokens rows 1 and 2 hold the image's start plus
     the token's (row, col) on the image's token grid (``coordinates(grid)``), so moving an image
     still moves every row by one delta, and compression reads the layout as it does M-RoPE's."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    holes = np.flatnonzero(ids == image_token_id)
-    if holes.size != len(images):
-        raise ValueError(
-            f"the prompt has {holes.size} image placeholder(s) but {len(images)} image(s) were given "
-            "(does the text itself contain <IMG_CONTEXT>?)"
-        )
+    ids, holes = _placeholders(token_ids, images, image_token_id, "<IMG_CONTEXT>")
     out_ids, spans, coords = [], [], []
     cursor, n = 0, 0
     for index, (hole, image) in enumerate(zip(holes.tolist(), images)):
