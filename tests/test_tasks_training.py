@@ -104,6 +104,10 @@ def test_answer_tokens_weigh_more_and_weight_one_is_the_plain_loss(tmp_path):
     tok = processor.tokenizer
     heavy = enc["input_ids"][0][enc["loss_weights"][0] == 20.0]
     assert tok.decode(heavy) == f"Answer: {ex.answer}<|im_end|>"
+    # With an evidence line, the lookup it holds weighs as much as the answer.
+    evidence = encode_batch(processor, [vqa.messages(ex, dense=True, evidence=True)], answer_weight=20.0)
+    heavy = evidence["input_ids"][0][evidence["loss_weights"][0] == 20.0]
+    assert tok.decode(heavy) == f"Found: {vqa.evidence_line(ex)}\nAnswer: {ex.answer}<|im_end|>"
     assert ((enc["loss_weights"] > 0) == (enc["labels"] != -100)).all()
     model = model_class("qwen2_5_vl").from_pretrained(tmp_path)
     plain = encode_batch(processor, batch)

@@ -53,7 +53,8 @@ class TrainConfig:
     every element first (the held-out questions ask for that when ``dense_eval``);
     ``vision_steps`` of ``vision_batch_size`` images at ``vision_lr`` train the vision tower first
     (:func:`train_vision`), which then learns at ``vision_lr_scale`` times ``lr``;
-    ``answer_weight``: the loss weight of the answer's tokens (1 for the description's);
+    ``answer_weight``: the loss weight of the answer's tokens, with ``evidence`` from the
+    'Found:' line on (1 for the description's);
     ``evidence``: dense replies repeat the part of the description that holds the answer before
     it, keys first (:func:`samcache.tasks.visual_qa.evidence_line`);
     ``init_from``: an earlier run to continue (its weights, and the train examples after those it
@@ -121,16 +122,22 @@ def _chat(msgs: list[dict]) -> tuple[list[dict], list[Any]]:
 
 
 def _answer_tail(reply: str) -> str:
-    """The part of a reply that is the answer: from the last 'Answer:' on (all of it without one)."""
+    """The part of a reply that is the answer: from the last 'Answer:' on (all of it without one),
+    or from the 'Found:' line before it where the reply has one (``evidence``): that line is the
+    lookup the model gets wrong when its descriptions are already right (docs/benchmark.md)."""
     at = reply.rfind("Answer:")
-    return reply if at < 0 else reply[at:]
+    if at < 0:
+        return reply
+    found = reply.rfind("Found:", 0, at)
+    return reply[found if found >= 0 else at:]
 
 
 def encode_batch(processor, batch: Sequence[list[dict]], answer_weight: float = 1.0) -> dict[str, torch.Tensor]:
     """Model inputs of conversations (right-padded) with labels on every assistant reply and its
     end-of-turn token; the prompt, the images and the padding are context only. ``loss_weights``
-    weighs each label: ``answer_weight`` on the answer ('Answer: ...' and the end-of-turn token),
-    1 on the rest of the reply (the description)."""
+    weighs each label: ``answer_weight`` on the answer ('Answer: ...' and the end-of-turn token;
+    from 'Found: ...' on where the reply has an evidence line), 1 on the rest of the reply (the
+    description)."""
     from PIL import Image
 
     texts, images, tails = [], [], []
