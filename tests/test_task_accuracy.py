@@ -85,12 +85,17 @@ def test_eval_follows_how_the_model_was_trained(model, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["eval", "--model", str(trained), "--traces", "1", "--turns", "2", "--window", "2", "--modes", "baseline",
                  "--max-new-tokens", "2", "--no-calibrate", "--quiet", "--out", str(out)]) == 0
-    turns = json.loads((out / "results.json").read_text())["runs"][0]["turns"]
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    turns = run["turns"]
     assert all(t["question"].endswith(visual_qa.DENSE_INSTRUCTION) for t in turns)
+    # Dense turns are scored part by part too (two tokens describe nothing right).
+    assert all(t["described"] is not None and len(t["described"]) >= 1 and not any(t["described"]) for t in turns)
+    assert run["description_accuracy"] == 0.0 and run["description_parts"] == sum(len(t["described"]) for t in turns)
     assert main(["eval", "--model", str(trained), "--traces", "1", "--turns", "1", "--modes", "baseline", "--no-dense",
                  "--max-new-tokens", "2", "--no-calibrate", "--quiet", "--out", str(out)]) == 0
-    turns = json.loads((out / "results.json").read_text())["runs"][0]["turns"]
-    assert not turns[0]["question"].endswith(visual_qa.DENSE_INSTRUCTION)
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert not run["turns"][0]["question"].endswith(visual_qa.DENSE_INSTRUCTION)
+    assert run["turns"][0]["described"] is None and run["description_accuracy"] is None
 
 
 def test_paired_difference_counts_turns_each_run_alone_got_right():
@@ -100,6 +105,10 @@ def test_paired_difference_counts_turns_each_run_alone_got_right():
     a, b = run([1, 1, 1, 0, 1, 1, 0, 1]), run([1, 0, 1, 0, 1, 0, 1, 1])
     d = paired_difference(a, b)
     assert d["difference"] == 1 / 8 and (d["a_only"], d["b_only"], d["turns"]) == (2, 1, 8)
+    assert d["described"] is None  # no turn asked for a description
+    a["turns"][0]["described"], b["turns"][0]["described"] = [True, True, False], [True, False, False]
+    parts = paired_difference(a, b)["described"]
+    assert parts["difference"] == 1 / 3 and (parts["a_only"], parts["b_only"], parts["turns"]) == (1, 0, 3)
     lo, hi = d["interval"]
     assert lo < 1 / 8 < hi
     same = paired_difference(a, a)

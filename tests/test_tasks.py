@@ -351,3 +351,23 @@ def test_framed_messages_frame_an_example_as_the_traces_do():
 def test_bad_arguments_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("num_images", [1, 3])
+def test_described_parts_scores_each_part_of_each_images_line(num_images):
+    ex = vqa.make_example(11, num_images=num_images, size=(84, 84))
+    parts = [p for s in ex.specs for p in vqa.describe(s).split("; ")]
+    reply = vqa.dense_reply(ex, evidence=True)
+    assert vqa.described_parts(reply, ex.specs) == [True] * len(parts)
+    first = str(ex.specs[0].elements[0])
+    other = next(c for c in vqa.COLOURS if c != ex.specs[0].elements[0].colour)
+    wrong = reply.replace(first, first.replace(ex.specs[0].elements[0].colour, other, 1), 1)
+    assert vqa.described_parts(wrong, ex.specs) == [False] + [True] * (len(parts) - 1)
+    assert vqa.described_parts("Answer: x", ex.specs) == [False] * len(parts)
+    if num_images > 1:  # a line under another image's ordinal counts for that image only
+        lines = reply.splitlines()
+        swapped = "\n".join([lines[1].replace("Second", "First", 1), lines[0].replace("First", "Second", 1), *lines[2:]])
+        scored = vqa.described_parts(swapped, ex.specs)
+        n0, n1 = (len(vqa.describe(s).split("; ")) for s in ex.specs[:2])
+        assert scored[n0 + n1:] == [True] * (len(parts) - n0 - n1)
+        assert not all(scored[:n0 + n1])

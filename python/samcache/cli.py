@@ -167,13 +167,18 @@ def _eval(args) -> int:
         lo, hi = run["interval"]
         ratio = "" if run["recompute"] is None else f" @ {run['recompute']:g}"
         kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
+        described = "" if run["description_accuracy"] is None else \
+            "  described {:.3f} [{:.3f}, {:.3f}]".format(run["description_accuracy"], *run["description_interval"])
         print(f"{run['mode'] + ratio:<22} accuracy {run['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]  "
-              f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}")
+              f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}{described}")
     out["comparisons"] = comparisons(out)
     for c in out["comparisons"]:
         lo, hi = c["interval"]
+        d = c["described"]
+        parts = "" if d is None else (f"; described {100 * d['difference']:+.1f} [{100 * d['interval'][0]:+.1f}, "
+                                      f"{100 * d['interval'][1]:+.1f}] over {d['turns']} parts")
         print(f"{c['a']} vs {c['b']}: {100 * c['difference']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] "
-              f"over {c['turns']} turns")
+              f"over {c['turns']} turns{parts}")
     if args.out:
         path = pathlib.Path(args.out)
         path.mkdir(parents=True, exist_ok=True)

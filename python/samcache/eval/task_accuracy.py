@@ -81,7 +81,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     (``Turn.max_new_tokens``, room for a description on dense traces)."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
-    from samcache.tasks.visual_qa import is_correct
+    from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
 
     modes = parse_modes(list(modes))
     recompute = parse_ratios(list(recompute))
@@ -114,6 +114,9 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                 turns.append({"turn": index, "question_type": turn.question_type, "question": turn.question,
                               "answer": turn.answer,
                               "reply": r.text, "correct": bool(is_correct(r.text, turn.answer)),
+                              # Only a turn that asked for a description can be scored part by part.
+                              "described": (described_parts(r.text, turn.specs)
+                                            if DENSE_INSTRUCTION in turn.question else None),
                               "image_reused_tokens": r.metrics.image_reused_tokens,
                               "kl": None if f is None else f.kl, "greedy_agree": None if f is None else f.greedy_agree})
                 if bar is not None:
@@ -128,12 +131,16 @@ def _summary(turns: list[dict]) -> dict:
     by_type: dict[str, list[bool]] = {}
     for t in turns:
         by_type.setdefault(t["question_type"], []).append(t["correct"])
+    parts = [p for t in turns if t.get("described") is not None for p in t["described"]]
     kls = [t["kl"] for t in turns if t["kl"] is not None]
     agree = [t["greedy_agree"] for t in turns if t["greedy_agree"] is not None]
     return {
         "accuracy": correct / len(turns), "interval": wilson_interval(correct, len(turns)), "turns_scored": len(turns),
         "accuracy_after_first_turn": (sum(t["correct"] for t in later) / len(later)) if later else None,
         "accuracy_by_question": {k: sum(v) / len(v) for k, v in sorted(by_type.items())},
+        "description_accuracy": (sum(parts) / len(parts)) if parts else None,
+        "description_interval": wilson_interval(sum(parts), len(parts)) if parts else None,
+        "description_parts": len(parts),
         "kl_median": statistics.median(kls) if kls else None,
         "greedy_agree_mean": statistics.fmean(agree) if agree else None,
     }
@@ -142,11 +149,21 @@ def _summary(turns: list[dict]) -> dict:
 def paired_difference(a: dict, b: dict, z: float = 1.96) -> dict:
     """Accuracy of run ``a`` minus run ``b`` over the same turns, with a paired confidence interval
     (normal approximation on the per-turn differences, each -1, 0 or 1): paired, because every
-    run answers the same turns, so the turns' difficulty cancels out."""
+    run answers the same turns, so the turns' difficulty cancels out. ``described``: the same over
+    the parts of the descriptions (:func:`samcache.tasks.visual_qa.described_parts`) where the
+    turns asked for them, else None."""
     ta, tb = a["turns"], b["turns"]
     if len(ta) != len(tb) or any((x["turn"], x["answer"]) != (y["turn"], y["answer"]) for x, y in zip(ta, tb)):
         raise ValueError("paired_difference needs two runs over the same turns")
-    diffs = [int(x["correct"]) - int(y["correct"]) for x, y in zip(ta, tb)]
+    out = _paired([int(x["correct"]) - int(y["correct"]) for x, y in zip(ta, tb)], z)
+    # The same, part by part of the descriptions, where both runs' turns asked for them.
+    parts = [int(p) - int(q) for x, y in zip(ta, tb) if x.get("described") is not None and y.get("described") is not None
+             for p, q in zip(x["described"], y["described"])]
+    out["described"] = _paired(parts, z) if parts else None
+    return out
+
+
+def _paired(diffs: list[int], z: float) -> dict:
     n = len(diffs)
     mean = sum(diffs) / n
     sd = statistics.stdev(diffs) if n > 1 else 0.0
@@ -178,8 +195,8 @@ def comparisons(out: dict) -> list[dict]:
 
 
 def plot(out: dict, path) -> None:
-    """Accuracy (with its Wilson interval) and median next-token KL against the recompute ratio,
-    one line per recompute mode, the full prefill and prefix reuse as horizontal lines."""
+    """Accuracy (with its Wilson interval; dotted: the share of description parts right) and median
+    next-token KL against the recompute ratio, one line per recompute mode, the full prefill and prefix reuse as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,7 +216,10 @@ def plot(out: dict, path) -> None:
         x = [r["recompute"] for r in runs]
         y = [r["accuracy"] for r in runs]
         err = [[r["accuracy"] - r["interval"][0] for r in runs], [r["interval"][1] - r["accuracy"] for r in runs]]
-        acc.errorbar(x, y, yerr=err, marker="o", capsize=3, label=mode)
+        line = acc.errorbar(x, y, yerr=err, marker="o", capsize=3, label=mode)[0]
+        described = [(r["recompute"], r["description_accuracy"]) for r in runs if r.get("description_accuracy") is not None]
+        if described:
+            acc.plot(*zip(*described), linestyle=":", marker=".", color=line.get_color(), label=f"{mode}: described")
         kls = [(r["recompute"], r["kl_median"]) for r in runs if r["kl_median"]]
         if kls:
             kl.plot(*zip(*kls), marker="o", label=mode)

@@ -619,6 +619,32 @@ def is_correct(reply: str, answer: str) -> bool:
     return parse_answer(reply).lower() == answer.strip().lower()
 
 
+def described_parts(reply: str, specs: Sequence[ImageSpec]) -> list[bool]:
+    """For every part of every image's description (the parts of :func:`describe`: an element, a
+    title, a line of words), whether ``reply`` gives it exactly in that image's line ('Second
+    screenshot: ...' when there are several, the first line for one image).
+
+    Finer than the answer: a turn of three screenshots has about ten parts, so a model that reads an
+    image differently (reused KV at a new position, say) shows it even where the answer stays
+    right, and where the answer is wrong for other reasons."""
+    body = [line.strip() for line in reply.splitlines()]
+    body = [line for line in body if line and not line.startswith(("Found:", "Answer:"))]
+    lines: dict[int, str] = {}
+    if len(specs) == 1:
+        lines[0] = body[0] if body else ""
+    else:
+        for line in body:
+            head, sep, rest = line.partition(": ")
+            words = head.lower().split()
+            if sep and len(words) == 2 and words[0] in ORDINALS:
+                lines.setdefault(ORDINALS.index(words[0]), rest)
+    out = []
+    for i, spec in enumerate(specs):
+        given = {part.strip() for part in lines.get(i, "").split(";")}
+        out += [part in given for part in describe(spec).split("; ")]
+    return out
+
+
 # --------------------------------------------------------------------------------------- traces
 
 SCENARIOS = ("gui", "reorder", "subagent")
@@ -822,6 +848,6 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
 __all__ = [
     "ANSWER_HINT", "ANSWER_SETS", "CELLS", "COLOURS", "DEFAULT_SIZE", "DENSE_INSTRUCTION", "IMAGE_KINDS", "KINDS", "LABELS",
     "MAX_IMAGES", "ORDINALS", "QUESTIONS", "SCENARIOS", "SPLITS", "TITLES", "WORDS", "Element", "Example",
-    "ImageSpec", "QuestionType", "SYSTEM_PROMPTS", "Turn", "cell_box", "dense_reply", "dense_token_budget", "evidence", "framed_messages", "describe", "examples", "is_correct",
+    "ImageSpec", "QuestionType", "SYSTEM_PROMPTS", "Turn", "cell_box", "dense_reply", "dense_token_budget", "evidence_line", "framed_messages", "describe", "described_parts", "examples", "is_correct",
     "make_example", "messages", "parse_answer", "render", "split_seed", "trace",
 ]
