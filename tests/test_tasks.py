@@ -364,6 +364,10 @@ def test_described_parts_scores_each_part_of_each_images_line(num_images):
     wrong = reply.replace(first, first.replace(ex.specs[0].elements[0].colour, other, 1), 1)
     assert vqa.described_parts(wrong, ex.specs) == [False] + [True] * (len(parts) - 1)
     assert vqa.described_parts("Answer: x", ex.specs) == [False] * len(parts)
+    with pytest.raises(TypeError, match="reply must be a str"):
+        vqa.described_parts(None, ex.specs)
+    with pytest.raises(ValueError, match="non-empty sequence of ImageSpec"):
+        vqa.described_parts(reply, [])
     if num_images > 1:  # a line under another image's ordinal counts for that image only
         lines = reply.splitlines()
         swapped = "\n".join([lines[1].replace("Second", "First", 1), lines[0].replace("First", "Second", 1), *lines[2:]])

@@ -627,6 +627,10 @@ def described_parts(reply: str, specs: Sequence[ImageSpec]) -> list[bool]:
     Finer than the answer: a turn of three screenshots has about ten parts, so a model that reads an
     image differently (reused KV at a new position, say) shows it even where the answer stays
     right, and where the answer is wrong for other reasons."""
+    if not isinstance(reply, str):
+        raise TypeError(f"reply must be a str, got {type(reply).__name__}")
+    if not specs or not all(isinstance(s, ImageSpec) for s in specs):
+        raise ValueError("specs must be a non-empty sequence of ImageSpec (the images the reply describes)")
     body = [line.strip() for line in reply.splitlines()]
     body = [line for line in body if line and not line.startswith(("Found:", "Answer:"))]
     lines: dict[int, str] = {}
