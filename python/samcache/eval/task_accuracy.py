@@ -196,7 +196,8 @@ def comparisons(out: dict) -> list[dict]:
 
 def plot(out: dict, path) -> None:
     """Accuracy (with its Wilson interval; dotted: the share of description parts right) and median
-    next-token KL against the recompute ratio, one line per recompute mode, the full prefill and prefix reuse as horizontal lines."""
+    next-token KL against the recompute ratio, one line per recompute mode, the full prefill and
+    prefix reuse as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
