@@ -249,6 +249,23 @@ def test_images_as_paths_pil_and_arrays_hash_alike(engines, tmp_path):
 
 
 # ---- the layer-aware budget ----------------------------------------------------------------------
+def test_calibrate_on_request_pairs_scores_the_continuation(checkpoints):
+    engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
+    # Consecutive turns of an agent: a window of screenshots that slides by one.
+    pairs = [(messages("You are an agent.", shots(70, 71), "Step 1?"), messages("You are an agent.", shots(71, 72), "Step 2?")),
+             (messages("Plan.", shots(73, 74), "a"), messages("Sub-agent 1 of a planner.", shots(74, 73), "b"))]
+    rates = (0.0, 0.5, 1.0)
+    one = [engine.calibrate(requests=[p], rates=rates, continuation=1, progress=False).loss for p in pairs]
+    both = engine.calibrate(requests=pairs, rates=rates, continuation=1, progress=False)
+    assert np.allclose(both.loss, (one[0] + one[1]) / 2)  # the mean over the pairs
+    longer = engine.calibrate(requests=pairs, rates=rates, continuation=4, progress=False)
+    # The first term of the sum is the same next-token KL; three more non-negative terms follow.
+    assert (longer.loss >= both.loss - 1e-9).all() and longer.loss.sum() > both.loss.sum()
+    assert np.allclose(longer.loss[:, 0], longer.loss[0, 0])  # rate 0 is the same run at every layer
+    assert engine.sensitivity is longer
+    assert_clean(engine)
+
+
 def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_path):
     engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
     engine.chat(images=shots(40), prompt="x", max_new_tokens=1)
@@ -436,4 +453,13 @@ def test_constructor_and_chat_arguments_are_checked(checkpoints, engines, tmp_pa
         engine.calibrate(images=[], progress=False)
     with pytest.raises(ValueError, match="rates must start at 0"):
         engine.calibrate(rates=(0.1, 0.5), progress=False)
+    with pytest.raises(ValueError, match="continuation must be an int >= 1"):
+        engine.calibrate(continuation=0, progress=False)
+    pair = (messages("First.", shots(60, 61), "a"), messages("Second, longer prompt.", shots(61, 60), "b"))
+    with pytest.raises(ValueError, match="images or requests, not both"):
+        engine.calibrate(images=shots(60), requests=[pair], progress=False)
+    with pytest.raises(ValueError, match="non-empty list of .first messages, reused messages. pairs"):
+        engine.calibrate(requests=[], progress=False)
+    with pytest.raises(ValueError, match="pair 1: the reused request shows none"):
+        engine.calibrate(requests=[pair, (pair[0], messages("x", shots(62), "c"))], progress=False)
     assert_clean(engine)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from samcache.eval.task_accuracy import evaluate_traces, paired_difference, training_defaults, wilson_interval
+from samcache.eval.task_accuracy import (
+    SCENARIO_KINDS,
+    calibration_pairs,
+    evaluate_traces,
+    paired_difference,
+    reordered_turns,
+    training_defaults,
+    wilson_interval,
+)
 from samcache.tasks import visual_qa
 
 
@@ -31,6 +39,32 @@ def test_scores_every_turn_of_every_run(model):
     assert all(sum(t["image_reused_tokens"] for t in r["turns"] if t["turn"] > 0) > 0 for r in samcache_runs)
     full = next(r for r in samcache_runs if r["recompute"] == 1.0)
     assert all(t["kl"] is not None and t["kl"] < 1e-6 for t in full["turns"])  # recompute 1.0: a full prefill
+    for run in out["runs"]:  # a full window of 2 moves the screenshot it keeps one place up
+        assert [t["reordered"] for t in run["turns"]] == [False, False, True] * 2
+        kept, moved = ([t["correct"] for t in run["turns"] if t["turn"] == k] for k in (1, 2))
+        assert run["by_image_order"] == {
+            name: {"accuracy": sum(c) / 2, "turns_scored": 2, "description_accuracy": None, "description_parts": 0}
+            for name, c in (("kept", kept), ("reordered", moved))}
+
+
+def test_reordered_turns_follow_each_image_through_the_trace():
+    def turns(*ids):
+        return [visual_qa.Turn("t", [], "a", (), "colour", 0, i) for i in ids]
+
+    assert reordered_turns(turns((0, 1), (0, 1, 2), (2, 0, 1))) == [False, False, True]
+    # Against the last turn that showed the image: 1 was first at turn 1, so second again is a move.
+    assert reordered_turns(turns((0, 1), (1,), (0, 1))) == [False, True, True]
+    assert reordered_turns(turns((0,), (1,), (0,))) == [False, False, False]
+    assert not any(reordered_turns(visual_qa.trace(2, scenario="handoff", turns=4, window=3)))
+    assert set(SCENARIO_KINDS) == set(visual_qa.SCENARIOS)
+
+
+def test_calibration_pairs_are_consecutive_turns_that_reuse_an_image():
+    gui = visual_qa.trace(3, scenario="gui", turns=4, window=2)
+    pairs = calibration_pairs([gui])
+    assert pairs == [(a.messages, b.messages) for a, b in zip(gui, gui[1:])]  # a window of 2 always keeps one
+    with pytest.raises(ValueError, match="no turn that shows an earlier turn's image again"):
+        calibration_pairs([visual_qa.trace(3, scenario="gui", turns=3, window=1)])
 
 
 @pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["vllm"]),

@@ -254,6 +254,17 @@ def test_subagent_trace_changes_system_prompts_and_keeps_history():
     assert len(vqa.trace(0, scenario="subagent", turns=1)) == 1
 
 
+def test_handoff_trace_moves_images_but_keeps_their_order():
+    turns = vqa.trace(6, scenario="handoff", turns=6, window=3)
+    check_turns(turns)
+    assert all(t.image_ids == (0, 1, 2) for t in turns)
+    for prev, cur in itertools.pairwise(turns):
+        assert all(np.array_equal(a, b) for a, b in zip(prev.images(), cur.images(), strict=True))
+        # Another agent's system prompt, of another length: the images sit at other positions.
+        assert len(prev.messages[0]["content"]) != len(cur.messages[0]["content"])
+    assert len({t.question for t in turns}) > 1
+
+
 @pytest.mark.parametrize("scenario", vqa.SCENARIOS)
 @pytest.mark.parametrize("window", [1, 2, 4])
 def test_traces_answers_derivable_for_any_window(scenario, window):

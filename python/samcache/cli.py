@@ -20,6 +20,8 @@ import shutil
 import sys
 import tempfile
 
+from samcache._checks import check_int
+
 
 def _bench(args) -> int:
     from samcache.benchmark import MODES, parse_keeps, parse_modes, parse_ratios
@@ -147,19 +149,34 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
 
 
 def _eval(args) -> int:
-    from samcache.eval.task_accuracy import check_scenario, comparisons, evaluate_traces, plot, training_defaults
+    from samcache.eval.task_accuracy import (
+        CALIBRATION_OFFSET,
+        check_scenario,
+        comparisons,
+        evaluate_traces,
+        plot,
+        training_defaults,
+    )
     from samcache.tasks import visual_qa
 
     try:
+        check_int("traces", args.traces, 1)
+        check_int("calibration_traces", args.calibration_traces, 0)
+        if args.traces > CALIBRATION_OFFSET:
+            raise ValueError(f"--traces must be <= {CALIBRATION_OFFSET} (the calibration traces start there)")
         trained = training_defaults(args.model)
         check_scenario(args.scenario, trained)
         size = tuple(args.image_size) if args.image_size else trained.get("size", visual_qa.DEFAULT_SIZE)
         dense = trained.get("dense", False) if args.dense is None else args.dense
         traces = [visual_qa.trace(visual_qa.split_seed("test", i, args.seed), scenario=args.scenario, turns=args.turns,
                                   window=args.window, size=size, dense=dense) for i in range(args.traces)]
+        # Calibration traces from the same stream, far past the scored ones.
+        calibration = [visual_qa.trace(visual_qa.split_seed("test", CALIBRATION_OFFSET + i, args.seed),
+                                       scenario=args.scenario, turns=args.turns, window=args.window, size=size,
+                                       dense=dense) for i in range(args.calibration_traces)] or None
         out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
-                              fidelity=not args.no_fidelity, progress=not args.quiet)
+                              fidelity=not args.no_fidelity, calibration_traces=calibration, progress=not args.quiet)
     except (ValueError, OSError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
@@ -171,6 +188,9 @@ def _eval(args) -> int:
             "  described {:.3f} [{:.3f}, {:.3f}]".format(run["description_accuracy"], *run["description_interval"])
         print(f"{run['mode'] + ratio:<22} accuracy {run['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]  "
               f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}{described}")
+        for order, group in run["by_image_order"].items():
+            parts = "" if group["description_accuracy"] is None else f", described {group['description_accuracy']:.3f}"
+            print(f"    later turns, images {order}: accuracy {group['accuracy']:.3f} over {group['turns_scored']}{parts}")
     out["comparisons"] = comparisons(out)
     for c in out["comparisons"]:
         lo, hi = c["interval"]
@@ -211,6 +231,7 @@ def _report(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from samcache.benchmark import MODES
+    from samcache.eval.task_accuracy import SCENARIO_KINDS
     from samcache.models import PRESETS
     from samcache.workloads import SCENARIOS, scenario_parameters
 
@@ -267,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Score a model trained on samcache.tasks.visual_qa (samcache.tasks.training) on "
                                    "held-out multi-turn traces whose images move between turns, in each mode.")
     e.add_argument("--model", required=True, help="the trained checkpoint directory")
-    e.add_argument("--scenario", default="gui", choices=["gui", "reorder", "subagent"])
+    e.add_argument("--scenario", default="gui", choices=list(SCENARIO_KINDS))
     e.add_argument("--traces", type=int, default=20)
     e.add_argument("--turns", type=int, default=6)
     e.add_argument("--window", type=int, default=3)
@@ -283,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens per turn (default: room for the answer, or for the description when dense)")
     e.add_argument("--no-fidelity", action="store_true", help="skip KL / greedy agreement against a full prefill")
     e.add_argument("--no-calibrate", action="store_true")
+    e.add_argument("--calibration-traces", type=int, default=2,
+                   help="held-out traces (not scored) whose consecutive turns calibrate the layer-aware budget; "
+                        "0: the engine's default synthetic pair")
     e.add_argument("--out", help="folder for results.json")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_eval)

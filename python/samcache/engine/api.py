@@ -818,17 +818,22 @@ class SAMcacheEngine:
         self,
         images: Sequence[Any] | None = None,
         *,
+        requests: Sequence[tuple[list, list]] | None = None,
         rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+        continuation: int = 8,
         save: str | os.PathLike | None = None,
         progress: bool = True,
     ) -> SensitivityCurves:
         """Measure each layer's sensitivity offline (:class:`samcache.engine.calibration.Calibrator`,
-        on its own KV and stores) and use the layer-aware budget from now on. ``save`` writes the
-        curves as JSON (load them with ``sensitivity=path``)."""
+        on its own KV and stores) and use the layer-aware budget from now on. ``requests``: (first,
+        reused) message pairs from the traffic to serve (e.g. consecutive turns of an agent), else
+        ``images`` or two synthetic screenshots shown twice; ``continuation``: tokens of the reply
+        the loss covers. ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
         from samcache.engine.calibration import Calibrator
 
         with self._lock:
-            curves = Calibrator(self).run(images, rates=rates, progress=progress)
+            curves = Calibrator(self).run(images, requests=requests, rates=rates, continuation=continuation,
+                                          progress=progress)
             self.sensitivity = curves
             if save is not None:
                 pathlib.Path(save).write_text(json.dumps({"model_id": self.model_id, "rates": curves.rates.tolist(),

@@ -1,10 +1,12 @@
 """Calibration of the layer-aware recompute budget, on its own runner, pool and stores.
 
-A calibration request shows some images (default: two synthetic screenshots) once, then again at
-new positions behind another system prompt. For each layer and rate, the reused turn gets the
-exact KV (from a full prefill) for that fraction of its reused tokens at that layer only, in the
-order the served plan uses (span heads, then the turn's own relevance scores); the loss is the
-next-token KL against the full prefill. ``solve_layer_budget`` turns the curves into rates.
+A calibration pair shows some images once, then again at new positions after other text: pairs
+of requests from the traffic to serve, or by default two synthetic screenshots, reversed behind
+another system prompt. For each layer and rate, the reused turn gets the exact KV (from a full
+prefill) for that fraction of its reused tokens at that layer only, in the order the served plan
+uses (span heads, then the turn's own relevance scores); the loss is the KL against the full
+prefill over the reference's first few greedy tokens (teacher-forced), averaged over the pairs.
+``solve_layer_budget`` turns the curves into rates.
 
 The calibrator shares the serving engine's weights but has its own KV cache, block pool and
 stores, so calibrating never touches what the engine serves from; it works between the
@@ -17,12 +19,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from samcache import ops
+from samcache._checks import check_int
 from samcache.block_pool import BlockPool, slot_ids
 from samcache.engine.api import SAMcacheEngine
 from samcache.engine.executor import Executor, RequestOptions
 from samcache.engine.metrics import next_token_fidelity
-from samcache.engine.prompt import user_message
+from samcache.engine.prompt import Prompt, user_message
 from samcache.engine.runner import ModelRunner
 from samcache.eval.fidelity import reference_prefill
 from samcache.hashing import Namespace
@@ -48,23 +54,50 @@ class Calibrator:
         return Executor(runner, pool, e.processor, vit_store=TensorStore("calibration-vit", 256 << 20),
                         image_kv_store=ImageKVStore(pool, runner.num_blocks * runner.block_bytes, runner.block_bytes))
 
-    def run(self, images: Sequence[Any] | None = None, *,
-            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), progress: bool = True) -> SensitivityCurves:
+    def run(self, images: Sequence[Any] | None = None, *, requests: Sequence[tuple[list, list]] | None = None,
+            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = 8,
+            progress: bool = True) -> SensitivityCurves:
+        """The curves: for each (layer, rate), the KL of the reused turn against a full prefill,
+        summed over the reference's first ``continuation`` greedy tokens (each run teacher-forced
+        with them), averaged over the calibration pairs.
+
+        ``requests``: (first, reused) pairs of chat messages, e.g. consecutive turns of the traffic
+        to serve: the first request's images are kept, the reused one shows some of them again at
+        other positions. Default: ``images`` (else two synthetic screenshots) shown once, then
+        reversed behind another system prompt.
+        ``continuation``: why more than the next token: a model whose replies open the same way
+        whatever it is shown ('First screenshot: ...') has a next-token KL near 0 at every rate,
+        and the budget solved from it spends the recompute where nothing changes."""
         from samcache.engine.synthetic import screenshot
 
-        engine = self.engine
         rates = check_probe_rates(rates)  # before any of the L x R forward passes
-        images = list(images) if images is not None else [screenshot(101, (224, 320)), screenshot(102, (224, 320))]
-        if not images:
-            raise ValueError("calibration needs at least one image (or images=None for two synthetic screenshots)")
+        check_int("continuation", continuation, 1)
+        if requests is not None and images is not None:
+            raise ValueError("give calibration images or requests, not both")
+        if requests is None:
+            images = list(images) if images is not None else [screenshot(101, (224, 320)), screenshot(102, (224, 320))]
+            if not images:
+                raise ValueError("calibration needs at least one image (or images=None for two synthetic screenshots)")
+            requests = [([{"role": "system", "content": "Calibration."}, user_message(images, "Describe.")],
+                         [{"role": "system", "content": "You are an agent operating a computer. Earlier steps are above."},
+                          user_message(images[::-1], "What changed between these screenshots, and what should be "
+                                                     "clicked next?")])]
+        requests = list(requests)
+        if not requests or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in requests):
+            raise ValueError("requests must be a non-empty list of (first messages, reused messages) pairs")
+        pairs = [(self.engine.build_prompt(first), self.engine.build_prompt(reused)) for first, reused in requests]
+        losses = []
+        for index, (first, reused) in enumerate(pairs):
+            losses.append(self._probe(index, first, reused, rates, continuation, progress))
+        return SensitivityCurves(rates=rates, loss=np.mean([c.loss for c in losses], axis=0))
+
+    def _probe(self, index: int, prime: Prompt, target: Prompt, rates: np.ndarray, continuation: int,
+               progress: bool) -> SensitivityCurves:
+        """The curves of one (first, reused) pair."""
+        engine = self.engine
         ns = Namespace(engine.model_id, "samcache/calibration")
-        prime = engine.build_prompt([{"role": "system", "content": "Calibration."}, user_message(images, "Describe.")])
-        target = engine.build_prompt([
-            {"role": "system", "content": "You are an agent operating a computer. Earlier steps are above."},
-            user_message(images[::-1], "What changed between these screenshots, and what should be clicked next?"),
-        ])
         # The first showing's images stay held while the reused turn and the reference run.
-        ex = self._executor(len(prime) + 2 * len(target) + 4 * engine.runner.block_size)
+        ex = self._executor(len(prime) + 2 * (len(target) + continuation) + 4 * engine.runner.block_size)
         r = ex.runner
         try:
             # The first showing: its images' KV is kept (held in the calibrator's pool).
@@ -76,9 +109,13 @@ class Calibrator:
             options = RequestOptions(use_prefix=False, register_prefix=False, store_images=False, budget=budget)
             probe = ex.prepare(target, ns, options)
             try:
-                if probe.metrics.image_kv_hits != len(target.images):  # else every "reused" turn is exact: loss 0
-                    raise ValueError(f"calibration could reuse {probe.metrics.image_kv_hits} of its "
-                                     f"{len(target.images)} images: raise its KV space or use smaller images")
+                shown = {s.image.content for s in prime.images}
+                expected = sum(s.image.content in shown for s in target.images)
+                if expected == 0:
+                    raise ValueError(f"calibration pair {index}: the reused request shows none of the first one's images")
+                if probe.metrics.image_kv_hits != expected:  # else every "reused" turn is exact: loss 0
+                    raise ValueError(f"calibration pair {index} could reuse {probe.metrics.image_kv_hits} of its "
+                                     f"{expected} images: raise its KV space or use smaller images")
                 # The order the served plan uses: relevance scores from the reused turn itself.
                 scores = ex.relevance(target, probe.plan, ex.pool.block_table(probe.seq), probe.vit) \
                     if budget.wants_scores else None
@@ -88,6 +125,7 @@ class Calibrator:
             ref, ref_logits = reference_prefill(ex, target, engine.model_id, ns)
             try:
                 exact_k, exact_v = r.gather_kv(slot_ids(ex.pool.block_table(ref.seq), order, r.block_size))
+                tokens, ref_logits = _continue(ex, ref.seq, ref_logits, target.next_position, continuation)
             finally:
                 ex.pool.free_sequence(ref.seq)
 
@@ -99,14 +137,27 @@ class Calibrator:
                         slots = r.slot_tensor(ex.pool.block_table(run.seq), order[:k])
                         ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer],
                                         slots)
-                    logits = ex.forward([run.step])[0]
+                    first = ex.forward([run.step])[0]
+                    _, logits = _continue(ex, run.seq, first, target.next_position, continuation, forced=tokens)
                 finally:
                     ex.pool.free_sequence(run.seq)
-                return next_token_fidelity(ref_logits, logits)[0]
+                return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
 
             return probe_layer_sensitivity(measure, r.num_layers, rates, progress=progress)
         finally:
             ex.image_kv_store.clear()
+
+
+def _continue(ex: Executor, seq: int, first: torch.Tensor, position: int, n: int,
+              forced: Sequence[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """The logits of ``n`` tokens of sequence ``seq`` from its next-token logits ``first`` on:
+    greedy, or fed ``forced`` (teacher forcing). Returns (the tokens fed or chosen, the logits)."""
+    logits, tokens = [first], []
+    for step in range(n):
+        tokens.append(int(logits[-1].argmax()) if forced is None else int(forced[step]))
+        if step + 1 < n:
+            logits.append(ex.forward([ex.decode_step(seq, tokens[-1], position + step, hashed=False)])[0])
+    return tokens, logits
 
 
 __all__ = ["Calibrator"]

@@ -56,8 +56,11 @@ def training_defaults(model_path) -> dict:
     return out
 
 
+#: The first index (in the test stream) of the traces that calibrate rather than score.
+CALIBRATION_OFFSET = 1_000_000
+
 #: The image kind each trace scenario shows.
-SCENARIO_KINDS = {"gui": "gui", "subagent": "gui", "reorder": "docs"}
+SCENARIO_KINDS = {"gui": "gui", "subagent": "gui", "handoff": "gui", "reorder": "docs"}
 
 
 def check_scenario(scenario: str, trained: dict) -> None:
@@ -73,12 +76,14 @@ def check_scenario(scenario: str, trained: dict) -> None:
 def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Sequence[str] = ("baseline", "prefix", "samcache"),
                     recompute: Sequence[float] = (0.05,), device: str = "cpu", calibrate: bool = True,
                     max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
-                    progress: bool = True) -> dict:
+                    calibration_traces: Sequence[Sequence[Any]] | None = None, progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
     agreement medians. ``max_new_tokens``: per turn; None takes each turn's own budget
-    (``Turn.max_new_tokens``, room for a description on dense traces)."""
+    (``Turn.max_new_tokens``, room for a description on dense traces). ``calibration_traces``:
+    traces (others than the scored ones) whose consecutive turns calibrate the layer-aware budget
+    (:func:`calibration_pairs`); None calibrates on the engine's default synthetic pair."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
@@ -94,7 +99,10 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         check_int("max_new_tokens", max_new_tokens, 1)
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20)
     runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
-    curves = shared.calibrate(progress=progress) if calibrate and any(MODES[m].layer_aware for m, _ in runs) else None
+    curves = None
+    if calibrate and any(MODES[m].layer_aware for m, _ in runs):
+        requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
+        curves = shared.calibrate(requests=requests, progress=progress)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -107,12 +115,13 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         turns = []
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
+            moved = reordered_turns(trace)
             for index, turn in enumerate(trace):
                 r = engine.chat(messages=turn.messages, max_new_tokens=max_new_tokens or turn.max_new_tokens,
                                 fidelity=fidelity and mode != "baseline")
                 f = r.metrics.fidelity
                 turns.append({"turn": index, "question_type": turn.question_type, "question": turn.question,
-                              "answer": turn.answer,
+                              "answer": turn.answer, "reordered": moved[index],
                               "reply": r.text, "correct": bool(is_correct(r.text, turn.answer)),
                               # Only a turn that asked for a description can be scored part by part.
                               "described": (described_parts(r.text, turn.specs)
@@ -125,7 +134,44 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     return {"model": str(model_path), "traces": len(traces), "runs": results}
 
 
+def calibration_pairs(traces: Sequence[Sequence[Any]]) -> list[tuple[list, list]]:
+    """(earlier turn, next turn) message pairs of ``traces`` where the next turn shows an image of
+    the earlier one again: the reuse the layer-aware budget is calibrated on."""
+    pairs = [(a.messages, b.messages) for trace in traces for a, b in zip(trace, trace[1:])
+             if set(a.image_ids) & set(b.image_ids) and a.image_ids]
+    if not pairs:
+        raise ValueError("the calibration traces have no turn that shows an earlier turn's image again")
+    return pairs
+
+
+def reordered_turns(trace: Sequence[Any]) -> list[bool]:
+    """Per turn of ``trace``: whether an image it shows was shown before in the trace at another
+    place among the images (``Turn.image_ids``), i.e. its cached KV was computed when it was, say,
+    the second image and is now the first. Why it matters: a model that tells images apart by
+    their order writes that order into their KV (docs/benchmark.md)."""
+    last: dict[int, int] = {}
+    out = []
+    for turn in trace:
+        out.append(any(last.get(image, index) != index for index, image in enumerate(turn.image_ids)))
+        last.update({image: index for index, image in enumerate(turn.image_ids)})
+    return out
+
+
 def _summary(turns: list[dict]) -> dict:
+    out = _scores(turns)
+    # After the first turn, split by whether the turn's images kept their order (what a model
+    # that writes an image's order into its KV can reuse as is) or not.
+    later = [t for t in turns if t["turn"] > 0]
+    out["by_image_order"] = {name: {k: v for k, v in _scores(group).items() if k in _ORDER_KEYS}
+                             for name, group in (("kept", [t for t in later if not t.get("reordered")]),
+                                                 ("reordered", [t for t in later if t.get("reordered")])) if group}
+    return out
+
+
+_ORDER_KEYS = ("accuracy", "turns_scored", "description_accuracy", "description_parts")
+
+
+def _scores(turns: list[dict]) -> dict:
     correct = sum(t["correct"] for t in turns)
     later = [t for t in turns if t["turn"] > 0]
     by_type: dict[str, list[bool]] = {}
@@ -241,4 +287,5 @@ def plot(out: dict, path) -> None:
     plt.close(fig)
 
 
-__all__ = ["SCENARIO_KINDS", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "plot", "training_defaults", "wilson_interval"]
+__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "plot", "reordered_turns",
+           "training_defaults", "wilson_interval"]

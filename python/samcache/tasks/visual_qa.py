@@ -651,7 +651,7 @@ def described_parts(reply: str, specs: Sequence[ImageSpec]) -> list[bool]:
 
 # --------------------------------------------------------------------------------------- traces
 
-SCENARIOS = ("gui", "reorder", "subagent")
+SCENARIOS = ("gui", "reorder", "subagent", "handoff")
 #: The traces' system prompts (``{index}``: the sub-agent's number). Without ``dense`` each gets
 #: ANSWER_HINT appended; the training script frames part of its examples with them.
 SYSTEM_PROMPTS = {
@@ -767,6 +767,11 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
     - ``subagent``: ``window`` screenshots; a planner turn, then sub-agents (own system prompts) over
       the screenshots in a new order each, then the last sub-agent's conversation continued with its
       history (scripted correct replies) and text-only follow-up questions about its images.
+    - ``handoff``: the control for the others: ``window`` screenshots handed on in the *same order*
+      every turn, to an agent, a planner and numbered sub-agents in turn. Their system prompts
+      differ in length and words, so the images move to other positions after other text, but
+      each keeps its place among the images (first stays first). Reuse that fails here fails
+      on position or context; reuse that fails only in the other scenarios fails on order.
 
     ``dense``: every question asks for the description first (DENSE_INSTRUCTION, as a model
     trained with dense replies expects), scripted replies are dense replies, and each turn's
@@ -818,6 +823,17 @@ def trace(seed: int, *, scenario: str = "gui", turns: int = 6, window: int = 3,
             qt, text, answer, target = ask(specs, "docs")
             msgs = [system("reorder"), user_message([render(s) for s in specs], text)]
             out.append(turn(f"question {t}", msgs, ids, specs, qt, answer, target))
+        return out
+
+    if scenario == "handoff":
+        pool = [_random_gui(rng, size) for _ in range(window)]
+        ids = list(range(window))
+        roles = ("gui", "planner", "subagent")
+        for t in range(turns):
+            qt, text, answer, target = ask(pool, "gui")
+            role = roles[t % len(roles)]
+            msgs = [system(role, index=t), user_message([render(s) for s in pool], text)]
+            out.append(turn(f"{role} {t}", msgs, ids, pool, qt, answer, target))
         return out
 
     # subagent
