@@ -33,7 +33,8 @@ def results(model):
 
 def test_every_mode_runs_a_three_turn_trace(results):
     names = [r["name"] for r in results["runs"]]
-    assert names == ["baseline", "prefix", "samcache@0.05", "samcache@0.5", "no-recompute", "head-only@0.05",
+    assert names == ["baseline", "prefix", "samcache@0.05", "samcache@0.5", "ordered@0.05", "ordered@0.5",
+                     "no-recompute", "head-only@0.05",
                      "head-only@0.5", "uniform-budget@0.05", "uniform-budget@0.5", "new-only"]
     by = {r["name"]: r for r in results["runs"]}
     for r in results["runs"]:
@@ -52,6 +53,10 @@ def test_every_mode_runs_a_three_turn_trace(results):
     kl = [t["fidelity"]["kl"] for t in by["samcache@0.05"]["turns"]]
     # turn 0 reuses nothing, turn 1 the tail of a screenshot at its old position (exact), turn 2 one moved up
     assert kl[0] < 1e-12 and kl[1] < 1e-12 and 0 < kl[2] < 0.1
+    # ordered: the screenshot that moved up is not reused at its new index, only its ViT output
+    ordered = by["ordered@0.05"]["turns"]
+    assert ordered[2]["image_reused_tokens"] == 0 and ordered[2]["fidelity"]["kl"] < 1e-12
+    assert by["ordered@0.05"]["summary"]["vit_calls"] == by["prefix"]["summary"]["vit_calls"] == 3
     assert by["uniform-budget@0.05"]["budget"] == "uniform" and by["samcache@0.05"]["budget"] == "layer-aware"
     assert results["meta"]["sensitivity"] is not None
     # head-only never recomputes past the span heads (10% of each reused span), whatever the ratio

@@ -173,6 +173,35 @@ def test_rerotated_kv_at_a_new_position_equals_the_first_layer_of_a_full_prefill
     assert_clean(engine)
 
 
+def test_keep_image_order_reuses_an_image_only_at_its_own_index(checkpoints):
+    engine = make_engine(checkpoints["qwen2_5_vl"], keep_image_order=True, recompute_ratio=0.0)
+    a, b = shots(12, 13)
+    engine.chat(messages=messages("First.", [a, b], "Look."), max_new_tokens=1)
+    # the same two images, swapped: each is at another index, so no KV is reused, only ViT outputs
+    prompt = engine.build_prompt(messages("Another system prompt.", [b, a], "Now?"))
+    pre, logits = engine.prefill(prompt)
+    m = pre.metrics
+    assert m.image_kv_hits == 0 and m.image_kv_misses == 2 and m.vit_calls == 0 and m.vit_hits == 2
+    assert m.image_reused_tokens == 0 and m.prefix_reused_tokens < prompt.images[0].start + 1
+    torch.testing.assert_close(logits, full(engine, prompt), atol=1e-5, rtol=1e-5)  # all computed: exact
+    engine.pool.free_sequence(pre.seq)
+    # each image at its first index again, after other text: both reused
+    r = engine.chat(messages=messages("A third, much longer system prompt for the next agent.", [a, b], "Q?"),
+                    max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 2 and r.metrics.image_reused_tokens > 0 and r.metrics.vit_calls == 0
+    # the option off: the swapped images' KV is reused at any index
+    free = make_engine(checkpoints["qwen2_5_vl"], recompute_ratio=0.0)
+    free.chat(messages=messages("First.", [a, b], "Look."), max_new_tokens=1)
+    r = free.chat(messages=messages("Another system prompt.", [b, a], "Now?"), max_new_tokens=1)
+    assert r.metrics.image_kv_hits == 2
+    with pytest.raises(TypeError, match="keep_image_order"):
+        make_engine(checkpoints["qwen2_5_vl"], keep_image_order="yes")
+    with pytest.raises(TypeError, match="keep_image_order"):
+        RequestOptions(keep_image_order=1)
+    assert_clean(engine)
+    assert_clean(free)
+
+
 # ---- wrong-content safety -----------------------------------------------------------------------
 def test_different_images_one_pixel_model_id_and_tenant_never_share_entries(checkpoints):
     path = checkpoints["qwen2_5_vl"]

@@ -117,3 +117,18 @@ def test_namespace_keys():
         Namespace("m", tenant=3)
     with pytest.raises(TypeError):
         Namespace("m").key(b"x" * 16)
+
+
+def test_at_ordinal_gives_each_index_its_own_hash():
+    from samcache.hashing import at_ordinal
+
+    c = samcache.hash_bytes(b"screenshot")
+    hashes = {at_ordinal(c, i) for i in range(4)} | {c, at_ordinal(samcache.hash_bytes(b"other"), 0)}
+    assert len(hashes) == 6
+    assert at_ordinal(c, 2) == at_ordinal(c, 2)
+    with pytest.raises(ValueError, match="index"):
+        at_ordinal(c, -1)
+    with pytest.raises(ValueError, match="index"):
+        at_ordinal(c, True)
+    with pytest.raises(TypeError, match="ContentHash"):
+        at_ordinal(b"x" * 16, 0)

@@ -66,6 +66,8 @@ MODES: dict[str, Mode] = {
     "prefix": Mode("exact prefix caching + per-image ViT cache (vLLM / SGLang today)", {"image_kv_cache": False}),
     "samcache": Mode("image KV reused at any position, two-track recompute, layer-aware budget", {},
                      recomputes=True, layer_aware=True),
+    "ordered": Mode("samcache, image KV reused only where the image keeps its index among the prompt's images",
+                    {"keep_image_order": True}, recomputes=True, layer_aware=True),
     "no-recompute": Mode("samcache without recompute", {"recompute_ratio": 0.0}),
     "head-only": Mode("samcache, recompute track 1 only (span heads, at most 10% of each reused span)",
                       {"recompute_tracks": "heads"},

@@ -25,6 +25,7 @@ DIGEST_SIZE = 16
 _IMAGE_DOMAIN = b"samcache/image/v1\0"
 _BYTES_DOMAIN = b"samcache/bytes/v1\0"
 _NAMESPACE_DOMAIN = b"samcache/namespace/v1\0"
+_ORDINAL_DOMAIN = b"samcache/ordinal/v1\0"
 # PIL modes whose numpy array fully describes the pixels; other modes (YCbCr, CMYK, LAB, ...)
 # add their name to the hash, since their numbers mean different colours.
 _PLAIN_MODES = {"1", "L", "RGB", "RGBA", "I", "I;16", "F"}
@@ -70,6 +71,20 @@ class ContentKey:
     def __repr__(self) -> str:
         return f"ContentKey({self.digest.hex()})"
 
+
+
+def at_ordinal(content: ContentHash, index: int) -> ContentHash:
+    """``content`` as the ``index``-th image of its prompt (0: the first): another hash for every
+    index. Image KV keyed by it is reused only where the image keeps its place among the prompt's
+    images, for models that write an image's order into its KV (``keep_image_order``)."""
+    if not isinstance(content, ContentHash):
+        raise TypeError(f"at_ordinal needs a ContentHash, got {type(content).__name__}")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"index must be an int >= 0, got {index!r}")
+    h = xxhash.xxh3_128(_ORDINAL_DOMAIN)
+    h.update(content.digest)
+    h.update(index.to_bytes(8, "little"))
+    return ContentHash(_digest(h))
 
 class Namespace:
     """Scope of cached content: a model id plus an optional tenant salt.

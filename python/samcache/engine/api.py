@@ -147,6 +147,10 @@ class SAMcacheEngine:
     whose KV came from reuse out of the prefix cache, so a prefix hit is always what a full prefill
     would have computed; ``"approximate"`` adopts them too (the next turn of a session then reuses
     its whole history, spliced images included), in a cache space of their own.
+    ``keep_image_order=True`` reuses an image's KV only where the image keeps its index among the
+    prompt's images (first stays first): for models that write an image's order into its KV, where
+    reuse at another index misleads them whatever the recompute ratio (docs/design.md); a moved
+    image is prefilled again from its cached ViT output.
 
     Memory: ``kv_cache_bytes`` sizes the paged KV pool. Images' KV stays in the pool's blocks
     (held once, never copied beside them), at most ``image_kv_cache_bytes`` of it (default: the
@@ -184,6 +188,7 @@ class SAMcacheEngine:
         track2_share: float = 0.5,
         recompute_tracks: str = "both",
         recompute_relevance: str = "attention",
+        keep_image_order: bool = False,
         prefix_cache: bool = True,
         prefix_reuse: str = "exact",
         vit_cache: bool = True,
@@ -220,6 +225,9 @@ class SAMcacheEngine:
             raise ValueError("recompute_relevance='routing' ranks compressed images' tokens by routing confidence: it "
                              "needs compression_enabled=True")
         self.recompute_relevance = recompute_relevance
+        if not isinstance(keep_image_order, bool):
+            raise TypeError(f"keep_image_order must be a bool, got {keep_image_order!r}")
+        self.keep_image_order = keep_image_order
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
         # head_fraction and track2_share are checked by the budget they shape.
@@ -619,7 +627,8 @@ class SAMcacheEngine:
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
                               store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache,
-                              compression=self.compression, relevance=self.recompute_relevance)
+                              compression=self.compression, relevance=self.recompute_relevance,
+                              keep_image_order=self.keep_image_order)
 
     def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with
@@ -716,7 +725,7 @@ class SAMcacheEngine:
                 if self.priorities is not None and not isinstance(out, BaseException):
                     images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index],
                                                                                  adm.options.compression))
-                              for s in self.executor.layout(adm.prompt, adm.namespace).images}
+                              for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
                     self.priorities.record(requests[i].agent, images, out.blocks, out.attention)
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
             if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
@@ -750,7 +759,7 @@ class SAMcacheEngine:
         for adm in admitted:
             if not adm.options.use_image_kv or adm.options.compression is not None:
                 continue
-            for slot in self.executor.layout(adm.prompt, adm.namespace).images:
+            for slot in self.executor.layout(adm.prompt, adm.namespace, adm.options).images:
                 if slot.key in seen or slot.key in self.image_kv_store:
                     continue
                 seen.add(slot.key)

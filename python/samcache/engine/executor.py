@@ -38,7 +38,7 @@ from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.errors import OutOfBlocks, PromptTooLong
-from samcache.hashing import Namespace
+from samcache.hashing import ContentKey, Namespace, at_ordinal
 from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
 from samcache.stores import HeldImage, ImageKVStore, TensorStore
@@ -63,7 +63,10 @@ class RequestOptions:
     request's namespace); ``store_vit``: keep new ViT outputs there. ``compression``: merge the
     visual tokens of the images this request computes (None: keep every token). ``relevance``:
     what ranks track 2 of the recompute budget, ``"attention"`` (the prompt's last tokens' layer-0
-    attention) or ``"routing"`` (compressed records' routing confidence).
+    attention) or ``"routing"`` (compressed records' routing confidence). ``keep_image_order``:
+    image KV is keyed by content *and* the image's index among the prompt's images, so it is reused
+    only where the image keeps its place (for models that write an image's order into its KV; an
+    image that moved to another place is prefilled again, from its cached ViT output).
     """
 
     use_prefix: bool = True
@@ -77,10 +80,11 @@ class RequestOptions:
     store_vit: bool = True
     compression: CompressionSettings | None = None
     relevance: str = "attention"
+    keep_image_order: bool = False
 
     def __post_init__(self) -> None:
         for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
-                     "use_vit", "store_vit"):
+                     "use_vit", "store_vit", "keep_image_order"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RequestOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.budget is not None and not isinstance(self.budget, RecomputeBudget):
@@ -164,11 +168,21 @@ class Executor:
                          if image_kv_store.lower is not None else None)
 
     # ---- stage 1 -------------------------------------------------------------------------------
-    def layout(self, prompt: Prompt, namespace: Namespace) -> PromptLayout:
-        """The planner's view of ``prompt``: images keyed by namespaced content."""
+    def layout(self, prompt: Prompt, namespace: Namespace, options: RequestOptions | None = None) -> PromptLayout:
+        """The planner's view of ``prompt``: images keyed as their KV is (:meth:`image_kv_key`)."""
         return PromptLayout(len(prompt), tuple(
-            ImageSlot(s.index, s.start, s.length, namespace.key(s.image.content), int(prompt.positions[0, s.start]))
+            ImageSlot(s.index, s.start, s.length, self.image_kv_key(namespace, s, options),
+                      int(prompt.positions[0, s.start]))
             for s in prompt.images))
+
+    @staticmethod
+    def image_kv_key(namespace: Namespace, span, options: RequestOptions | None = None) -> ContentKey:
+        """The key of an image's KV: its namespaced content, and with ``options.keep_image_order``
+        its index among the prompt's images too. (ViT outputs are keyed by content alone: they do
+        not depend on where the image is.)"""
+        content = span.image.content
+        keep_order = options is not None and options.keep_image_order
+        return namespace.key(at_ordinal(content, span.index) if keep_order else content)
 
     @staticmethod
     def prefix_space(namespace: Namespace, options: RequestOptions) -> Namespace:
@@ -198,7 +212,7 @@ class Executor:
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
                 if self.prefix_tier is not None:
                     adopted = self._restore_prefix(seq, prompt, adopted, self.prefix_space(namespace, options), m)
-            layout = self.layout(prompt, namespace)
+            layout = self.layout(prompt, namespace, options)
             held: dict[Any, HeldImage] = {}
             if options.use_image_kv:
                 for slot in layout.images:
@@ -638,7 +652,7 @@ class Executor:
             mass = attention_relevance(q, keys).double().cpu().numpy()
         out: dict[Any, float] = {None: float(mass[~in_image].sum())}
         for s in prompt.images:
-            key = pre.namespace.key(s.image.content)
+            key = self.image_kv_key(pre.namespace, s, pre.options)
             out[key] = out.get(key, 0.0) + float(mass[s.start:s.start + s.length].sum())
         return out
 
@@ -736,7 +750,7 @@ class Executor:
             self._return_loaded(loaded, pre.namespace)
             return
         for span in pre.prompt.images:  # promoted: the pool holds them again, at this turn's positions
-            key = pre.namespace.key(span.image.content)
+            key = self.image_kv_key(pre.namespace, span, pre.options)
             if key in loaded and span.start >= pre.plan.prefix_tokens and key not in self.image_kv_store:
                 position = int(pre.prompt.positions[0, span.start])
                 if self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=loaded[key][1],
@@ -751,7 +765,7 @@ class Executor:
                 if span.start in dict(pre.step.compress or ()):
                     self._store_compressed(pre, span)
                 continue  # compacted rows from here on: not one image's KV at its own slots
-            key, check = pre.namespace.key(span.image.content), self.kv_check(span)
+            key, check = self.image_kv_key(pre.namespace, span, pre.options), self.kv_check(span)
             position = int(pre.prompt.positions[0, span.start])
             self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=check,
                                     namespace=pre.namespace)
@@ -764,7 +778,7 @@ class Executor:
 
     def _store_compressed(self, pre: Prepared, span) -> None:
         """Keep a compressed image's rows (what each layer holds), packed (``put_packed``)."""
-        key = pre.namespace.key(span.image.content)
+        key = self.image_kv_key(pre.namespace, span, pre.options)
         if key in self.image_kv_store:
             return  # held already: nothing to copy
         runner, compaction, bs = self.runner, pre.compaction, self.pool.block_size
