@@ -68,13 +68,40 @@ def test_calibration_pairs_are_consecutive_turns_that_reuse_an_image():
 
 
 @pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["vllm"]),
-                                 dict(traces=[]), dict(max_new_tokens=0)])
+                                 dict(traces=[]), dict(max_new_tokens=0), dict(track2_shares=[1.5]),
+                                 dict(track2_shares="half"), dict(track2_shares=[])])
 def test_refuses_bad_arguments(model, bad):
     kwargs = dict(traces=[visual_qa.trace(1, scenario="gui", turns=1, window=1)], modes=["samcache"], calibrate=False,
                   progress=False)
     kwargs.update(bad)
     with pytest.raises(ValueError):
         evaluate_traces(model, **kwargs)
+
+
+def test_track2_share_sweep_runs_each_share_of_the_two_track_modes(model, monkeypatch):
+    from samcache.engine import SAMcacheEngine
+    from samcache.eval.task_accuracy import comparisons
+
+    shares_built = []
+    init = SAMcacheEngine.__init__
+
+    def recording(self, *args, **kwargs):
+        shares_built.append(kwargs.get("track2_share"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SAMcacheEngine, "__init__", recording)
+    traces = [visual_qa.trace(1, scenario="gui", turns=2, window=2)]
+    out = evaluate_traces(model, traces, modes=["baseline", "samcache", "head-only"], recompute=[0.0, 0.5],
+                          track2_shares="0.25,1", calibrate=False, max_new_tokens=2, fidelity=False, progress=False)
+    # Ratio 0 recomputes nothing, so its share is moot; head-only has no track 2.
+    assert [(r["mode"], r["recompute"], r["track2_share"]) for r in out["runs"]] == [
+        ("baseline", None, None), ("samcache", 0.0, None), ("samcache", 0.5, 0.25), ("samcache", 0.5, 1.0),
+        ("head-only", 0.0, None), ("head-only", 0.5, None)]
+    # The shared weights' engine, then one engine per trace and run, each with its run's share.
+    assert shares_built[1:] == [None, None, 0.25, 1.0, None, None]
+    names = {(c["a"], c["b"]) for c in comparisons(out)}
+    assert {("samcache @ 0.5 share 0.25", "head-only @ 0.5"), ("samcache @ 0.5 share 1", "head-only @ 0.5"),
+            ("samcache @ 0.5 share 0.25", "baseline"), ("samcache @ 0", "head-only @ 0")} <= names
 
 
 def test_wilson_interval():

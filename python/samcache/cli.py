@@ -176,13 +176,16 @@ def _eval(args) -> int:
                                        dense=dense) for i in range(args.calibration_traces)] or None
         out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
-                              fidelity=not args.no_fidelity, calibration_traces=calibration, progress=not args.quiet)
+                              fidelity=not args.no_fidelity, calibration_traces=calibration,
+                              track2_shares=args.track2_share, progress=not args.quiet)
     except (ValueError, OSError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
     for run in out["runs"]:
         lo, hi = run["interval"]
         ratio = "" if run["recompute"] is None else f" @ {run['recompute']:g}"
+        if run.get("track2_share") is not None:
+            ratio += f" share {run['track2_share']:g}"
         kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
         described = "" if run["description_accuracy"] is None else \
             "  described {:.3f} [{:.3f}, {:.3f}]".format(run["description_accuracy"], *run["description_interval"])
@@ -304,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens per turn (default: room for the answer, or for the description when dense)")
     e.add_argument("--no-fidelity", action="store_true", help="skip KL / greedy agreement against a full prefill")
     e.add_argument("--no-calibrate", action="store_true")
+    e.add_argument("--track2-share", default=None,
+                   help="track-2 share(s) to sweep for the two-track modes at each non-zero ratio, comma-separated "
+                        "(default: the engine's 0.5)")
     e.add_argument("--calibration-traces", type=int, default=2,
                    help="held-out traces (not scored) whose consecutive turns calibrate the layer-aware budget; "
                         "0: the engine's default synthetic pair")

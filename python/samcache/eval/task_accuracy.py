@@ -76,14 +76,17 @@ def check_scenario(scenario: str, trained: dict) -> None:
 def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Sequence[str] = ("baseline", "prefix", "samcache"),
                     recompute: Sequence[float] = (0.05,), device: str = "cpu", calibrate: bool = True,
                     max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
-                    calibration_traces: Sequence[Sequence[Any]] | None = None, progress: bool = True) -> dict:
+                    calibration_traces: Sequence[Sequence[Any]] | None = None,
+                    track2_shares: Sequence[float] | None = None, progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
     agreement medians. ``max_new_tokens``: per turn; None takes each turn's own budget
     (``Turn.max_new_tokens``, room for a description on dense traces). ``calibration_traces``:
     traces (others than the scored ones) whose consecutive turns calibrate the layer-aware budget
-    (:func:`calibration_pairs`); None calibrates on the engine's default synthetic pair."""
+    (:func:`calibration_pairs`); None calibrates on the engine's default synthetic pair.
+    ``track2_shares``: a sweep of ``track2_share`` (the part of the recompute given to relevance,
+    track 2) for the two-track modes at each non-zero ratio; None runs the engine's default."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
@@ -98,9 +101,11 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     if max_new_tokens is not None:
         check_int("max_new_tokens", max_new_tokens, 1)
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20)
-    runs = [(m, r) for m in modes for r in (recompute if MODES[m].recomputes else [None])]
+    shares = [None] if track2_shares is None else parse_shares(track2_shares)
+    runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
+            for s in (shares if _two_track(m) and r else [None])]
     curves = None
-    if calibrate and any(MODES[m].layer_aware for m, _ in runs):
+    if calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
         requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
         curves = shared.calibrate(requests=requests, progress=progress)
     bar = None
@@ -109,9 +114,11 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
 
         bar = tqdm(total=len(runs) * sum(len(t) for t in traces), desc="samcache eval", unit="turn")
     results = []
-    for mode, ratio in runs:
+    for mode, ratio, share in runs:
         kw = mode_engine_kwargs(mode, ratio, curves,
                                 {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared})
+        if share is not None:
+            kw["track2_share"] = share
         turns = []
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
@@ -130,8 +137,27 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                               "kl": None if f is None else f.kl, "greedy_agree": None if f is None else f.greedy_agree})
                 if bar is not None:
                     bar.update(1)
-        results.append({"mode": mode, "recompute": ratio, **_summary(turns), "turns": turns})
+        results.append({"mode": mode, "recompute": ratio, "track2_share": share, **_summary(turns), "turns": turns})
     return {"model": str(model_path), "traces": len(traces), "runs": results}
+
+
+def parse_shares(shares: str | Sequence[float]) -> list[float]:
+    """``track2_share`` values to sweep: numbers in [0, 1], comma-separated."""
+    try:
+        values = [float(v) for v in shares.split(",") if v.strip()] if isinstance(shares, str) \
+            else [float(v) for v in shares]
+    except (TypeError, ValueError):
+        raise ValueError(f"track2 shares must be numbers separated by commas, got {shares!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise ValueError(f"track2 shares must be in [0, 1], got {shares!r}")
+    return list(dict.fromkeys(values))
+
+
+def _two_track(mode: str) -> bool:
+    """Whether ``mode`` recomputes with both tracks, so that its track-2 share matters."""
+    from samcache.benchmark import MODES
+
+    return MODES[mode].recomputes and MODES[mode].engine_kwargs.get("recompute_tracks", "both") == "both"
 
 
 def calibration_pairs(traces: Sequence[Sequence[Any]]) -> list[tuple[list, list]]:
@@ -219,24 +245,26 @@ def _paired(diffs: list[int], z: float) -> dict:
 
 
 def _run_name(run: dict) -> str:
-    return run["mode"] if run["recompute"] is None else f"{run['mode']} @ {run['recompute']:g}"
+    name = run["mode"] if run["recompute"] is None else f"{run['mode']} @ {run['recompute']:g}"
+    return name if run.get("track2_share") is None else f"{name} share {run['track2_share']:g}"
 
 
 def comparisons(out: dict) -> list[dict]:
     """The comparisons the task eval is for, where its runs allow: each recompute run against the
     full prefill (``baseline``), layer-aware (``samcache``) against ``uniform-budget`` and two-track
-    (``samcache``) against ``head-only`` at each shared ratio."""
-    runs = {(r["mode"], r["recompute"]): r for r in out["runs"]}
+    (``samcache``) against ``head-only`` at each shared ratio (and track-2 share, where swept)."""
+    runs = {(r["mode"], r["recompute"], r.get("track2_share")): r for r in out["runs"]}
     rows = []
-    full = runs.get(("baseline", None))
-    for (mode, ratio), run in runs.items():
+    full = runs.get(("baseline", None, None))
+    for (mode, ratio, share), run in runs.items():
         if full is not None and mode != "baseline":
             rows.append({"a": _run_name(run), "b": "baseline", **paired_difference(run, full)})
     for other in ("uniform-budget", "head-only"):
-        for (mode, ratio), run in runs.items():
-            if mode == "samcache" and (other, ratio) in runs:
-                rows.append({"a": _run_name(run), "b": _run_name(runs[(other, ratio)]),
-                             **paired_difference(run, runs[(other, ratio)])})
+        for (mode, ratio, share), run in runs.items():
+            # head-only has no track 2: every share of samcache is compared with its one run.
+            key = (other, ratio, None if other == "head-only" else share)
+            if mode == "samcache" and key in runs:
+                rows.append({"a": _run_name(run), "b": _run_name(runs[key]), **paired_difference(run, runs[key])})
     return rows
 
 
@@ -257,7 +285,8 @@ def plot(out: dict, path) -> None:
     by_mode: dict[str, list[dict]] = {}
     for run in out["runs"]:
         if run["recompute"] is not None:
-            by_mode.setdefault(run["mode"], []).append(run)
+            share = run.get("track2_share")
+            by_mode.setdefault(run["mode"] if share is None else f"{run['mode']} share {share:g}", []).append(run)
     for mode, runs in by_mode.items():
         runs = sorted(runs, key=lambda r: r["recompute"])
         x = [r["recompute"] for r in runs]
@@ -287,5 +316,5 @@ def plot(out: dict, path) -> None:
     plt.close(fig)
 
 
-__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "plot", "reordered_turns",
+__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "parse_shares", "plot", "reordered_turns",
            "training_defaults", "wilson_interval"]
