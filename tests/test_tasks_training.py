@@ -125,8 +125,13 @@ def test_a_run_continues_from_an_earlier_one(tmp_path):
     first = train(tmp_path / "a", TrainConfig(steps=2, **small), progress=False)
     assert first["config"]["first_example"] == 0 and first["curve"][-1]["examples_seen"] == 4
     before = load_file(tmp_path / "a" / "model.safetensors")
-    second = train(tmp_path / "b", TrainConfig(steps=2, init_from=str(tmp_path / "a"), **small), progress=False)
+    # The sizes given for a new model do not apply: training.json records the model continued.
+    second = train(tmp_path / "b", TrainConfig(steps=2, init_from=str(tmp_path / "a"), **{**small, "model_sizes": {}}),
+                   progress=False)
     assert second["config"]["first_example"] == 4  # new examples, not the first run's again
+    recorded = second["config"]["model_sizes"]
+    assert recorded["hidden_size"] == SIZES["hidden_size"] and recorded["num_hidden_layers"] == 1
+    assert recorded["vision_config"]["depth"] == 1 and recorded["vision_config"]["hidden_size"] == 32
     after = load_file(tmp_path / "b" / "model.safetensors")
     assert set(after) == set(before) and any(not (after[k] == before[k]).all() for k in before)
     with pytest.raises(ValueError, match="not a training run"):

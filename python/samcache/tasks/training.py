@@ -46,6 +46,14 @@ MODEL_SIZES: dict[str, Any] = dict(
 )
 
 
+def model_sizes_of(model_config) -> dict[str, Any]:
+    """The :data:`MODEL_SIZES` entries of a loaded model's config (text and vision)."""
+    text = getattr(model_config, "text_config", model_config)
+    vision = model_config.vision_config
+    return {**{k: getattr(text, k) for k in MODEL_SIZES if k != "vision_config"},
+            "vision_config": {k: getattr(vision, k) for k in MODEL_SIZES["vision_config"]}}
+
+
 @dataclass
 class TrainConfig:
     """``steps`` optimizer steps of ``batch_size`` examples; ``curriculum``: (most images per
@@ -370,6 +378,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         if config.deepen:
             deepen_checkpoint(out, config.deepen)
     model = model_class("qwen2_5_vl").from_pretrained(out, dtype=torch.float32).train()
+    if config.init_from is not None:  # training.json records the model trained, not the defaults
+        config.model_sizes = model_sizes_of(model.config)
     processor = load_processor(out)
     vision_curve = train_vision(model, processor, config, progress=progress) if config.vision_steps else []
     visual = set(map(id, model.model.visual.parameters()))
