@@ -130,6 +130,31 @@ def test_cli_eval(model, tmp_path, capsys):
     assert main(["eval", "--model", str(model), "--modes", "bogus", "--quiet"]) == 2
 
 
+def test_cli_eval_saves_its_calibration_and_reuses_it(model, tmp_path, capsys):
+    import json
+
+    from samcache.cli import main
+
+    args = ["eval", "--model", str(model), "--traces", "1", "--turns", "2", "--window", "2", "--modes", "samcache",
+            "--recompute", "0.5", "--max-new-tokens", "2", "--no-fidelity", "--quiet"]
+    assert main([*args, "--calibration-traces", "1", "--out", str(tmp_path / "a")]) == 0
+    saved = json.loads((tmp_path / "a" / "sensitivity.json").read_text())
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["sensitivity"] == saved
+    assert len(saved["loss"]) == 2 and len(saved["loss"][0]) == len(saved["rates"])  # 2 layers x the probe rates
+    # Given curves replace the calibration (same curves back, no probing) ...
+    assert main([*args, "--sensitivity", str(tmp_path / "a" / "sensitivity.json"), "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["sensitivity"] == saved
+    # ... and curves of another model are refused.
+    (tmp_path / "other.json").write_text(json.dumps({**saved, "model_id": "another-model"}))
+    capsys.readouterr()
+    assert main([*args, "--sensitivity", str(tmp_path / "other.json")]) == 2
+    assert "calibrated on model another-model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not both"):
+        evaluate_traces(model, [visual_qa.trace(1, scenario="gui", turns=2, window=2)], modes=["samcache"],
+                        sensitivity=tmp_path / "a" / "sensitivity.json",
+                        calibration_traces=[visual_qa.trace(2, scenario="gui", turns=2, window=2)], progress=False)
+
+
 def test_eval_follows_how_the_model_was_trained(model, tmp_path, capsys):
     import json
     import shutil

@@ -174,10 +174,12 @@ def _eval(args) -> int:
         calibration = [visual_qa.trace(visual_qa.split_seed("test", CALIBRATION_OFFSET + i, args.seed),
                                        scenario=args.scenario, turns=args.turns, window=args.window, size=size,
                                        dense=dense) for i in range(args.calibration_traces)] or None
+        if args.sensitivity is not None:
+            calibration = None  # the given curves replace the calibration
         out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
                               fidelity=not args.no_fidelity, calibration_traces=calibration,
-                              track2_shares=args.track2_share, progress=not args.quiet)
+                              track2_shares=args.track2_share, sensitivity=args.sensitivity, progress=not args.quiet)
     except (ValueError, OSError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
@@ -208,6 +210,9 @@ def _eval(args) -> int:
         out["command"] = "samcache " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
         (path / "results.json").write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {path / 'results.json'}")
+        if out["sensitivity"] is not None:  # reusable: --sensitivity, or SAMcacheEngine(sensitivity=...)
+            (path / "sensitivity.json").write_text(json.dumps(out["sensitivity"], indent=1))
+            print(f"wrote {path / 'sensitivity.json'}")
         try:
             plot(out, path / "accuracy.png")
             print(f"wrote {path / 'accuracy.png'}")
@@ -310,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--track2-share", default=None,
                    help="track-2 share(s) to sweep for the two-track modes at each non-zero ratio, comma-separated "
                         "(default: the engine's 0.5)")
+    e.add_argument("--sensitivity", default=None, metavar="FILE",
+                   help="layer sensitivity curves to use instead of calibrating (the sensitivity.json an earlier "
+                        "eval wrote, or engine.calibrate(save=...))")
     e.add_argument("--calibration-traces", type=int, default=2,
                    help="held-out traces (not scored) whose consecutive turns calibrate the layer-aware budget; "
                         "0: the engine's default synthetic pair")

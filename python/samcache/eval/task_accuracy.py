@@ -77,7 +77,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                     recompute: Sequence[float] = (0.05,), device: str = "cpu", calibrate: bool = True,
                     max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
                     calibration_traces: Sequence[Sequence[Any]] | None = None,
-                    track2_shares: Sequence[float] | None = None, progress: bool = True) -> dict:
+                    track2_shares: Sequence[float] | None = None, sensitivity: Any = None,
+                    progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
@@ -86,7 +87,9 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     traces (others than the scored ones) whose consecutive turns calibrate the layer-aware budget
     (:func:`calibration_pairs`); None calibrates on the engine's default synthetic pair.
     ``track2_shares``: a sweep of ``track2_share`` (the part of the recompute given to relevance,
-    track 2) for the two-track modes at each non-zero ratio; None runs the engine's default."""
+    track 2) for the two-track modes at each non-zero ratio; None runs the engine's default.
+    ``sensitivity``: curves (or the JSON path ``engine.calibrate(save=...)`` wrote) to use instead of
+    calibrating. The curves used come back as ``sensitivity`` (None for a uniform budget)."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
@@ -100,12 +103,14 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         raise ValueError("traces must be a non-empty list of non-empty traces")
     if max_new_tokens is not None:
         check_int("max_new_tokens", max_new_tokens, 1)
-    shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20)
+    if sensitivity is not None and calibration_traces is not None:
+        raise ValueError("give sensitivity curves or calibration traces, not both")
+    shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
     runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
             for s in (shares if _two_track(m) and r else [None])]
-    curves = None
-    if calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
+    curves = shared.sensitivity  # given (and checked against the model), else calibrated below
+    if curves is None and calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
         requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
         curves = shared.calibrate(requests=requests, progress=progress)
     bar = None
@@ -138,7 +143,10 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                 if bar is not None:
                     bar.update(1)
         results.append({"mode": mode, "recompute": ratio, "track2_share": share, **_summary(turns), "turns": turns})
-    return {"model": str(model_path), "traces": len(traces), "runs": results}
+    # The curves travel with the results: they say where the layer-aware budget spent its rates.
+    used = None if curves is None else {"model_id": shared.model_id, "rates": curves.rates.tolist(),
+                                         "loss": curves.loss.tolist()}
+    return {"model": str(model_path), "traces": len(traces), "sensitivity": used, "runs": results}
 
 
 def parse_shares(shares: str | Sequence[float]) -> list[float]:
