@@ -18,6 +18,7 @@ from samcache import ImageLoadError, Namespace, PromptTooLong, UnsupportedModel,
 from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.engine.calibration import Calibrator  # noqa: E402
+from samcache.recompute import SensitivityCurves, solve_layer_budget  # noqa: E402
 from samcache.engine.executor import RequestOptions  # noqa: E402
 from samcache.eval import greedy_decode, reference_prefill  # noqa: E402
 from samcache.models import FAMILIES, build_tiny_model  # noqa: E402
@@ -307,6 +308,13 @@ def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_pat
     assert (curves.loss[:, -1] <= curves.loss[:, 0] + 1e-9).all()  # exact KV never hurts on average here
     saved = json.loads((tmp_path / "curves.json").read_text())
     assert saved["loss"] == curves.loss.tolist()
+    # The end-to-end check ran at the probe rates strictly between 0 and 1, through the served path.
+    assert np.isnan(curves.checked[[0, 3]]).all() and np.isfinite(curves.checked[[1, 2]]).all()
+    assert (curves.checked[[1, 2]] >= 0).all()
+    for i, rate in ((1, 0.1), (2, 0.5)):
+        if np.allclose(solve_layer_budget(curves, rate).rates, rate):  # nothing to choose between
+            assert curves.checked[i, 0] == curves.checked[i, 1]
+    assert saved["checked"][0] == [None, None] and saved["checked"][1] == curves.checked[1].tolist()
     assert_clean(engine)
     again = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware", sensitivity=tmp_path / "curves.json",
                         recompute_ratio=0.3)
@@ -315,10 +323,25 @@ def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_pat
         warnings.simplefilter("error")
         r = again.chat(images=shots(42, 41), prompt="y", max_new_tokens=1)
     rates, reused = r.metrics.recompute_rates, r.metrics.image_reused_tokens
+    assert np.array_equal(again.sensitivity.checked, curves.checked, equal_nan=True)
     solved = again.layer_budget(0.3).rates
     assert np.mean(solved) <= 0.3 + 1e-9 and all(a >= b for a, b in zip(solved, solved[1:]))
     assert rates == [math.ceil(b * reused - 1e-9) / reused for b in solved]  # each layer's rate, in whole tokens
     assert r.metrics.recomputed_tokens == round(rates[0] * reused)
+
+
+def test_layer_aware_budget_falls_back_to_uniform_where_the_check_found_it_better(checkpoints):
+    L = make_engine(checkpoints["qwen2_5_vl"]).runner.num_layers
+    rates = np.array([0.0, 0.2, 0.5, 1.0])
+    loss = np.tile([1.0, 1.0, 1.0, 0.0], (L, 1))
+    loss[0] = [1.0, 0.0, 0.0, 0.0]  # layer 0 alone repairs: the solver puts the budget there
+    nan = np.nan
+    checked = [[nan, nan], [0.1, 0.5], [0.5, 0.1], [nan, nan]]  # end to end, uniform won at 0.5 only
+    engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware",
+                         sensitivity=SensitivityCurves(rates, loss, checked=checked))
+    solved = solve_layer_budget(engine.sensitivity, 0.2).rates
+    assert not np.allclose(solved, 0.2) and np.allclose(engine.layer_budget(0.2).rates, solved)
+    assert np.allclose(engine.layer_budget(0.5).rates, 0.5)
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -92,6 +92,21 @@ def test_probe_builds_curves_with_one_run_per_cell():
     assert curves.loss[2, 1] == pytest.approx(1.5)
 
 
+def test_the_end_to_end_check_says_where_uniform_rates_won():
+    rates, loss = np.array([0.0, 0.1, 0.5, 1.0]), np.ones((2, 4))
+    nan = np.nan
+    # Measured at 0.1 (the solved rates won) and at 0.5 (uniform won); 0 and 1 are not measured.
+    curves = SensitivityCurves(rates, loss, checked=[[nan, nan], [0.2, 0.3], [0.4, 0.1], [nan, nan]])
+    assert [curves.prefers_uniform(r) for r in (0.02, 0.1, 0.25, 0.35, 0.5, 0.9)] == [False, False, False, True, True, True]
+    assert not SensitivityCurves(rates, loss).prefers_uniform(0.5)  # no check: the solver decides
+    assert not SensitivityCurves(rates, loss, checked=np.full((4, 2), nan)).prefers_uniform(0.5)
+    d = curves.to_dict("m")
+    assert d["checked"][0] == [None, None] and d["checked"][2] == [0.4, 0.1] and d["model_id"] == "m"
+    for bad in (np.ones((3, 2)), np.ones((4, 3)), [[np.inf, 0.0]] * 4):
+        with pytest.raises(ValueError, match="checked"):
+            SensitivityCurves(rates, loss, checked=bad)
+
+
 def test_bad_input():
     ok = SensitivityCurves(np.array([0.0, 0.1]), np.ones((2, 2)))
     with pytest.raises(ValueError):

@@ -663,12 +663,14 @@ class SAMcacheEngine:
 
     def layer_budget(self, ratio: float) -> LayerBudget:
         """Per-layer recompute rates for a mean ``ratio``: solved from the sensitivity curves
-        (layer-aware), or the same rate everywhere (uniform, and layer-aware before calibration)."""
+        (layer-aware), or the same rate everywhere (uniform, layer-aware before calibration, and
+        layer-aware where the calibration's end-to-end check found uniform rates better)."""
         check_fraction("ratio", ratio)
         layers = self.runner.num_layers
         if ratio <= 0.0:
             return LayerBudget(rates=np.zeros(layers), expected_loss=0.0, mean_rate=0.0)
-        if self.recompute_budget == "layer-aware" and self.sensitivity is not None:
+        if (self.recompute_budget == "layer-aware" and self.sensitivity is not None
+                and not self.sensitivity.prefers_uniform(ratio)):
             key = (id(self.sensitivity), ratio)  # the solve is the same for every turn: keep it
             if key not in self._solved:
                 self._solved = {key: solve_layer_budget(self.sensitivity, ratio)}
@@ -815,7 +817,10 @@ class SAMcacheEngine:
             raise ValueError(f"sensitivity={str(path)!r}: cannot read the curves file ({e.strerror or e})") from None
         try:
             data = json.loads(text)
-            curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]))
+            checked = data.get("checked")
+            curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]),
+                                       checked=None if checked is None else
+                                       np.asarray([[np.nan if v is None else v for v in row] for row in checked]))
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
         if data.get("model_id") not in (None, self.model_id):
@@ -830,6 +835,7 @@ class SAMcacheEngine:
         requests: Sequence[tuple[list, list]] | None = None,
         rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
         continuation: int = 8,
+        check: bool = True,
         save: str | os.PathLike | None = None,
         progress: bool = True,
     ) -> SensitivityCurves:
@@ -837,16 +843,16 @@ class SAMcacheEngine:
         on its own KV and stores) and use the layer-aware budget from now on. ``requests``: (first,
         reused) message pairs from the traffic to serve (e.g. consecutive turns of an agent), else
         ``images`` or two synthetic screenshots shown twice; ``continuation``: tokens of the reply
-        the loss covers. ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
+        the loss covers; ``check``: measure the solved rates against uniform ones end to end (where
+        uniform ones were better, the engine uses them). ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
         from samcache.engine.calibration import Calibrator
 
         with self._lock:
             curves = Calibrator(self).run(images, requests=requests, rates=rates, continuation=continuation,
-                                          progress=progress)
+                                          check=check, progress=progress)
             self.sensitivity = curves
             if save is not None:
-                pathlib.Path(save).write_text(json.dumps({"model_id": self.model_id, "rates": curves.rates.tolist(),
-                                                          "loss": curves.loss.tolist()}, indent=1), encoding="utf-8")
+                pathlib.Path(save).write_text(json.dumps(curves.to_dict(self.model_id), indent=1), encoding="utf-8")
             return curves
 
     def __repr__(self) -> str:

@@ -8,6 +8,11 @@ uses (span heads, then the turn's own relevance scores); the loss is the KL agai
 prefill over the reference's first few greedy tokens (teacher-forced), averaged over the pairs.
 ``solve_layer_budget`` turns the curves into rates.
 
+The curves are then checked end to end: at each probe rate, the pairs run through the served
+recompute path with the solved rates and with the same rate at every layer. The solver adds up
+losses measured one layer at a time; where layers repair together that sum misleads it, and the
+check (``SensitivityCurves.checked``) lets the engine fall back to the uniform rates there.
+
 The calibrator shares the serving engine's weights but has its own KV cache, block pool and
 stores, so calibrating never touches what the engine serves from; it works between the
 executor's stages (splice, then overwrite one layer's KV, then run), not through a switch in the
@@ -16,7 +21,8 @@ serving path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -33,7 +39,7 @@ from samcache.engine.runner import ModelRunner
 from samcache.eval.fidelity import reference_prefill
 from samcache.hashing import Namespace
 from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
-from samcache.recompute.budget import check_probe_rates, tokens_per_layer
+from samcache.recompute.budget import check_probe_rates, solve_layer_budget, tokens_per_layer
 from samcache.stores import ImageKVStore, TensorStore
 
 
@@ -56,7 +62,7 @@ class Calibrator:
 
     def run(self, images: Sequence[Any] | None = None, *, requests: Sequence[tuple[list, list]] | None = None,
             rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = 8,
-            progress: bool = True) -> SensitivityCurves:
+            check: bool = True, progress: bool = True) -> SensitivityCurves:
         """The curves: for each (layer, rate), the KL of the reused turn against a full prefill,
         summed over the reference's first ``continuation`` greedy tokens (each run teacher-forced
         with them), averaged over the calibration pairs.
@@ -67,7 +73,9 @@ class Calibrator:
         reversed behind another system prompt.
         ``continuation``: why more than the next token: a model whose replies open the same way
         whatever it is shown ('First screenshot: ...') has a next-token KL near 0 at every rate,
-        and the budget solved from it spends the recompute where nothing changes."""
+        and the budget solved from it spends the recompute where nothing changes.
+        ``check``: measure the solved rates against uniform ones end to end at each probe rate
+        (``SensitivityCurves.checked``; about a third more runs)."""
         from samcache.engine.synthetic import screenshot
 
         rates = check_probe_rates(rates)  # before any of the L x R forward passes
@@ -88,12 +96,47 @@ class Calibrator:
         pairs = [(self.engine.build_prompt(first), self.engine.build_prompt(reused)) for first, reused in requests]
         losses = []
         for index, (first, reused) in enumerate(pairs):
-            losses.append(self._probe(index, first, reused, rates, continuation, progress))
-        return SensitivityCurves(rates=rates, loss=np.mean([c.loss for c in losses], axis=0))
+            with self._pair(index, first, reused, continuation) as (one_layer, _):
+                losses.append(probe_layer_sensitivity(one_layer, self.engine.runner.num_layers, rates,
+                                                      progress=progress).loss)
+        curves = SensitivityCurves(rates=rates, loss=np.mean(losses, axis=0))
+        return self._check(curves, pairs, continuation, progress) if check else curves
 
-    def _probe(self, index: int, prime: Prompt, target: Prompt, rates: np.ndarray, continuation: int,
+    def _check(self, curves: SensitivityCurves, pairs: list[tuple[Prompt, Prompt]], continuation: int,
                progress: bool) -> SensitivityCurves:
-        """The curves of one (first, reused) pair."""
+        """``curves`` with ``checked``: the mean loss over the pairs, through the served recompute,
+        of the solved rates and of uniform ones at each probe rate strictly between 0 and 1."""
+        layers = curves.num_layers
+        checked = np.full((curves.rates.size, 2), np.nan)
+        schedules = {}
+        for i, rate in enumerate(curves.rates):
+            if 0.0 < rate < 1.0:
+                schedules[i] = (tuple(solve_layer_budget(curves, float(rate)).rates), (float(rate),) * layers)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pairs) * len(schedules), desc="checking the solved rates", unit="rate")
+        sums = np.zeros_like(checked)
+        for index, (first, reused) in enumerate(pairs):
+            with self._pair(index, first, reused, continuation) as (_, served):
+                for i, (solved, uniform) in schedules.items():
+                    a = served(solved)
+                    sums[i] += (a, a if np.allclose(solved, uniform) else served(uniform))
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        for i in schedules:
+            checked[i] = sums[i] / len(pairs)
+        return SensitivityCurves(rates=curves.rates, loss=curves.loss, checked=checked)
+
+    @contextmanager
+    def _pair(self, index: int, prime: Prompt, target: Prompt, continuation: int
+              ) -> Iterator[tuple[Callable[[int, float], float], Callable[[Sequence[float]], float]]]:
+        """One (first, reused) pair set up for measuring: yields ``one_layer(layer, rate)``, the
+        loss with the exact KV at that fraction of the reused tokens at that layer only, and
+        ``served(rates)``, the loss through the engine's own recompute at per-layer ``rates``."""
         engine = self.engine
         ns = Namespace(engine.model_id, "samcache/calibration")
         # The first showing's images stay held while the reused turn and the reference run.
@@ -129,7 +172,7 @@ class Calibrator:
             finally:
                 ex.pool.free_sequence(ref.seq)
 
-            def measure(layer: int, rate: float) -> float:
+            def one_layer(layer: int, rate: float) -> float:
                 k = tokens_per_layer([rate], order.size)[0]
                 run = ex.prepare(target, ns, options)
                 try:
@@ -143,7 +186,17 @@ class Calibrator:
                     ex.pool.free_sequence(run.seq)
                 return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
 
-            return probe_layer_sensitivity(measure, r.num_layers, rates, progress=progress)
+            def served(rates: Sequence[float]) -> float:
+                run = ex.prepare(target, ns, RequestOptions(use_prefix=False, register_prefix=False, store_images=False,
+                                                            budget=engine.recompute_budget_for(rates)))
+                try:
+                    first = ex.forward([run.step])[0]
+                    _, logits = _continue(ex, run.seq, first, target.next_position, continuation, forced=tokens)
+                finally:
+                    ex.pool.free_sequence(run.seq)
+                return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
+
+            yield one_layer, served
         finally:
             ex.image_kv_store.clear()
 

@@ -144,8 +144,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                     bar.update(1)
         results.append({"mode": mode, "recompute": ratio, "track2_share": share, **_summary(turns), "turns": turns})
     # The curves travel with the results: they say where the layer-aware budget spent its rates.
-    used = None if curves is None else {"model_id": shared.model_id, "rates": curves.rates.tolist(),
-                                         "loss": curves.loss.tolist()}
+    used = None if curves is None else curves.to_dict(shared.model_id)
     return {"model": str(model_path), "traces": len(traces), "sensitivity": used, "runs": results}
 
 

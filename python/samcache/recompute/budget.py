@@ -39,10 +39,19 @@ def check_probe_rates(rates: Sequence[float]) -> np.ndarray:
 @dataclass(frozen=True)
 class SensitivityCurves:
     """``loss[l, i]``: fidelity loss (e.g. next-token KL vs a full prefill) when layer ``l``
-    recomputes a fraction ``rates[i]`` of the reused tokens. ``rates`` ascend from 0 to <= 1."""
+    recomputes a fraction ``rates[i]`` of the reused tokens. ``rates`` ascend from 0 to <= 1.
+
+    ``checked`` (optional, ``[len(rates), 2]``): the loss measured end to end, every layer
+    recomputing at once, with the rates solved from these curves (column 0) and with the same
+    rate at every layer (column 1), at each probe rate; NaN where not measured. Why: the solver
+    adds up per-layer losses measured one layer at a time, and a model whose layers repair
+    together (recomputing one deep layer alone can make things worse) breaks that sum. Where
+    the check found the uniform rates better, :meth:`prefers_uniform` says so and the engine
+    uses them."""
 
     rates: np.ndarray
     loss: np.ndarray
+    checked: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         rates = check_probe_rates(self.rates)
@@ -53,6 +62,32 @@ class SensitivityCurves:
             raise ValueError("loss must be finite")
         object.__setattr__(self, "rates", rates)
         object.__setattr__(self, "loss", loss)
+        if self.checked is not None:
+            checked = np.asarray(self.checked, dtype=np.float64)
+            if checked.shape != (rates.size, 2):
+                raise ValueError(f"checked must be [{rates.size}, 2] (solved, uniform per probe rate), "
+                                 f"got shape {checked.shape}")
+            if np.any(np.isinf(checked)):
+                raise ValueError("checked losses must be finite or NaN (not measured)")
+            object.__setattr__(self, "checked", checked)
+
+    def to_dict(self, model_id: str | None = None) -> dict:
+        """JSON-ready (NaN as None), as ``engine.calibrate(save=...)`` writes and ``sensitivity=path`` reads."""
+        out = {"model_id": model_id, "rates": self.rates.tolist(), "loss": self.loss.tolist()}
+        if self.checked is not None:
+            out["checked"] = [[None if np.isnan(v) else float(v) for v in row] for row in self.checked]
+        return out
+
+    def prefers_uniform(self, total_rate: float) -> bool:
+        """Whether the end-to-end check found the same rate at every layer better than the solved
+        rates at the checked probe rate nearest ``total_rate`` (False without a check)."""
+        if self.checked is None:
+            return False
+        measured = np.flatnonzero(~np.isnan(self.checked).any(axis=1))
+        if measured.size == 0:
+            return False
+        i = measured[np.argmin(np.abs(self.rates[measured] - total_rate))]
+        return bool(self.checked[i, 1] < self.checked[i, 0])
 
     @property
     def num_layers(self) -> int:
