@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from samcache.agent import STAGES, CompressorConfig, ContextCompressor, ToolResultStore, approx_tokens
@@ -118,6 +118,11 @@ _message = st.one_of(
 
 @settings(max_examples=60, deadline=None)
 @given(body=st.lists(_message, min_size=1, max_size=10), repeat=st.booleans(), keep=st.integers(0, 3))
+# Found by CI: the history stage cut a dedupe marker to 16 characters, so the next pass no longer
+# saw which message it pointed at and cut that one too.
+@example(body=[{"role": "assistant", "content": "a" * 32},
+               {"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": ""}]}],
+         repeat=True, keep=0)
 def test_deterministic_and_idempotent(body, repeat, keep):
     if repeat:  # duplicates for the dedupe stage
         body = body + copy.deepcopy(body)

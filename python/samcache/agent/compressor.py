@@ -192,6 +192,8 @@ class ContextCompressor:
                 continue
             for get, put in _text_slots(m):
                 text = get()
+                if _SAME_AS.search(text):  # cutting a marker would unpin its message on the next pass
+                    continue
                 short = _first_line(text, self.config.history_line_chars)
                 if short != text:
                     put(short)
