@@ -102,6 +102,9 @@ def test_the_end_to_end_check_says_where_uniform_rates_won():
     assert not SensitivityCurves(rates, loss, checked=np.full((4, 2), nan)).prefers_uniform(0.5)
     d = curves.to_dict("m")
     assert d["checked"][0] == [None, None] and d["checked"][2] == [0.4, 0.1] and d["model_id"] == "m"
+    for rate in (-0.1, 1.5, "0.5", None):
+        with pytest.raises(ValueError, match="total_rate"):
+            curves.prefers_uniform(rate)
     for bad in (np.ones((3, 2)), np.ones((4, 3)), [[np.inf, 0.0]] * 4):
         with pytest.raises(ValueError, match="checked"):
             SensitivityCurves(rates, loss, checked=bad)

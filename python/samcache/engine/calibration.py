@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -172,29 +173,29 @@ class Calibrator:
             finally:
                 ex.pool.free_sequence(ref.seq)
 
-            def one_layer(layer: int, rate: float) -> float:
-                k = tokens_per_layer([rate], order.size)[0]
-                run = ex.prepare(target, ns, options)
+            def loss(run_options: RequestOptions, before_forward=None) -> float:
+                """The reused turn's KL against the reference, teacher-forced over the continuation."""
+                run = ex.prepare(target, ns, run_options)
                 try:
-                    if k:  # this layer only: the exact KV of the first k tokens of the order
-                        slots = r.slot_tensor(ex.pool.block_table(run.seq), order[:k])
-                        ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer],
-                                        slots)
+                    if before_forward is not None:
+                        before_forward(run)
                     first = ex.forward([run.step])[0]
                     _, logits = _continue(ex, run.seq, first, target.next_position, continuation, forced=tokens)
                 finally:
                     ex.pool.free_sequence(run.seq)
                 return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
 
+            def one_layer(layer: int, rate: float) -> float:
+                k = tokens_per_layer([rate], order.size)[0]
+
+                def write_exact(run) -> None:  # this layer only: the exact KV of the first k tokens of the order
+                    slots = r.slot_tensor(ex.pool.block_table(run.seq), order[:k])
+                    ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer], slots)
+
+                return loss(options, write_exact if k else None)
+
             def served(rates: Sequence[float]) -> float:
-                run = ex.prepare(target, ns, RequestOptions(use_prefix=False, register_prefix=False, store_images=False,
-                                                            budget=engine.recompute_budget_for(rates)))
-                try:
-                    first = ex.forward([run.step])[0]
-                    _, logits = _continue(ex, run.seq, first, target.next_position, continuation, forced=tokens)
-                finally:
-                    ex.pool.free_sequence(run.seq)
-                return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
+                return loss(replace(options, budget=engine.recompute_budget_for(rates)))
 
             yield one_layer, served
         finally:

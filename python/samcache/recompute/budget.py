@@ -81,6 +81,8 @@ class SensitivityCurves:
     def prefers_uniform(self, total_rate: float) -> bool:
         """Whether the end-to-end check found the same rate at every layer better than the solved
         rates at the checked probe rate nearest ``total_rate`` (False without a check)."""
+        if isinstance(total_rate, bool) or not (isinstance(total_rate, (int, float)) and 0.0 <= total_rate <= 1.0):
+            raise ValueError(f"total_rate must be a number in [0, 1], got {total_rate!r}")
         if self.checked is None:
             return False
         measured = np.flatnonzero(~np.isnan(self.checked).any(axis=1))
