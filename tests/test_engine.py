@@ -296,6 +296,31 @@ def test_calibrate_on_request_pairs_scores_the_continuation(checkpoints):
     assert_clean(engine)
 
 
+def test_a_forced_step_gives_the_logits_decoding_one_token_at_a_time_gives(engines):
+    from samcache.engine.calibration import _forced, _greedy
+
+    engine = engines["qwen2_5_vl"]
+    ex, ns = engine.executor, Namespace(engine.model_id)
+    prompt = engine.build_prompt(messages("Teacher forcing.", shots(90, 91), "Describe."))
+    a, first_a = reference_prefill(ex, prompt, engine.model_id, ns)
+    b, first_b = reference_prefill(ex, prompt, engine.model_id, ns)
+    try:
+        tokens, stepped = _greedy(ex, a.seq, first_a, prompt.next_position, 9, stop=set())
+        assert len(tokens) == len(stepped) == 9
+        chunked = _forced(ex, b.seq, first_b, prompt.next_position, tokens)
+        assert len(chunked) == 9 and ex.pool.num_tokens(b.seq) == ex.pool.num_tokens(a.seq)
+        for x, y in zip(stepped, chunked):
+            torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4)
+        # The reply's end stops the reference: a stop token as the first one ends it there.
+        assert _greedy(ex, a.seq, first_a, prompt.next_position, 9, stop={tokens[0]})[0] == tokens[:1]
+    finally:
+        ex.pool.free_sequence(a.seq)
+        ex.pool.free_sequence(b.seq)
+    with pytest.raises(ValueError, match="one sequence"):
+        ex.forward([], every_row=True)
+    assert_clean(engine)
+
+
 def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_path):
     engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
     engine.chat(images=shots(40), prompt="x", max_new_tokens=1)

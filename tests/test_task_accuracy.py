@@ -104,6 +104,33 @@ def test_track2_share_sweep_runs_each_share_of_the_two_track_modes(model, monkey
             ("samcache @ 0.5 share 0.25", "baseline"), ("samcache @ 0", "head-only @ 0")} <= names
 
 
+def test_calibration_covers_the_whole_reply_of_the_calibration_turns_unless_told(model, monkeypatch):
+    from samcache.engine import SAMcacheEngine
+
+    class Recorded(Exception):
+        pass
+
+    def recording(self, **kwargs):
+        raise Recorded(kwargs.get("continuation"))
+
+    monkeypatch.setattr(SAMcacheEngine, "calibrate", recording)
+    traces = [visual_qa.trace(1, scenario="gui", turns=2, window=2)]
+    calibration = [visual_qa.trace(7, scenario="gui", turns=3, window=2, dense=True)]
+    longest = max(t.max_new_tokens for t in calibration[0])
+    assert longest > visual_qa.Turn.max_new_tokens  # dense turns leave room for the description
+    for given, expected in ((None, longest), (12, 12)):
+        with pytest.raises(Recorded) as got:
+            evaluate_traces(model, traces, modes=["samcache"], calibration_traces=calibration,
+                            calibration_continuation=given, progress=False)
+        assert got.value.args[0] == expected
+    with pytest.raises(Recorded) as got:  # the synthetic pair: the engine's own default
+        evaluate_traces(model, traces, modes=["samcache"], progress=False)
+    assert got.value.args[0] is None
+    with pytest.raises(ValueError, match="calibration_continuation"):
+        evaluate_traces(model, traces, modes=["samcache"], calibration_traces=calibration,
+                        calibration_continuation=0, progress=False)
+
+
 def test_wilson_interval():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     lo, hi = wilson_interval(45, 50)

@@ -54,17 +54,24 @@ def test_the_shipped_checkpoint_matches_its_checksums_and_reads_images():
     """The checkpoint in the package: intact, and better than chance on held-out questions. Its
     training run measured 91.7% on one image over 48 examples; 16 examples at 62.5% or more rule
     out chance (1/8 to 1/12) and a broken load, in seconds."""
-    import torch
+    from samcache.tasks.heldout import score_checkpoint
 
-    from samcache.engine.loading import load_processor
-    from samcache.models import model_class
-    from samcache.tasks import visual_qa
-    from samcache.tasks.training import evaluate
+    folder = checkpoint.trained_model()  # verified against its checksums
+    result = score_checkpoint(folder, examples=16, images=[1], progress=False)
+    one = result["1_image"]
+    assert one["examples"] == 16 and one["correct"] == round(one["accuracy"] * 16), result
+    assert one["accuracy"] >= 0.625, result
+    lo, hi = one["interval"]
+    assert lo <= one["accuracy"] <= hi
 
-    folder = checkpoint.trained_model()
-    config = json.loads((folder / "training.json").read_text())["config"]
-    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
-    examples = list(visual_qa.examples("test", 16, num_images=1, kind=config["kind"], size=tuple(config["size"]),
-                                       seed=config["seed"]))
-    result = evaluate(model, load_processor(folder), examples, visual_qa.messages, dense=True)
-    assert result["examples"] == 16 and result["accuracy"] >= 0.625, result
+
+def test_heldout_scoring_refuses_what_it_cannot_score(trained_run, tmp_path, capsys):
+    from samcache.tasks.heldout import main, score_checkpoint
+
+    for bad in (dict(examples=0), dict(images=[]), dict(images=[0]), dict(start=-1)):
+        with pytest.raises(ValueError):
+            score_checkpoint(trained_run, progress=False, **bad)
+    (trained_run / "training.json").unlink()
+    with pytest.raises(ValueError, match="no training.json"):
+        score_checkpoint(trained_run, progress=False)
+    assert main([str(trained_run)]) == 2 and "no training.json" in capsys.readouterr().err

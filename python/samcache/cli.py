@@ -179,7 +179,8 @@ def _eval(args) -> int:
         out = evaluate_traces(args.model, traces, modes=args.modes.split(","), recompute=args.recompute.split(","),
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
                               fidelity=not args.no_fidelity, calibration_traces=calibration,
-                              track2_shares=args.track2_share, sensitivity=args.sensitivity, progress=not args.quiet)
+                              track2_shares=args.track2_share, sensitivity=args.sensitivity,
+                              calibration_continuation=args.calibration_continuation, progress=not args.quiet)
     except (ValueError, OSError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
@@ -321,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--calibration-traces", type=int, default=2,
                    help="held-out traces (not scored) whose consecutive turns calibrate the layer-aware budget; "
                         "0: the engine's default synthetic pair")
+    e.add_argument("--calibration-continuation", type=int, default=None, metavar="N",
+                   help="reply tokens the calibration's loss covers (default: the whole reply of the calibration "
+                        "turns; 256 on the synthetic pair)")
     e.add_argument("--out", help="folder for results.json")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_eval)

@@ -834,7 +834,7 @@ class SAMcacheEngine:
         *,
         requests: Sequence[tuple[list, list]] | None = None,
         rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
-        continuation: int = 8,
+        continuation: int = 256,
         check: bool = True,
         save: str | os.PathLike | None = None,
         progress: bool = True,
@@ -843,7 +843,9 @@ class SAMcacheEngine:
         on its own KV and stores) and use the layer-aware budget from now on. ``requests``: (first,
         reused) message pairs from the traffic to serve (e.g. consecutive turns of an agent), else
         ``images`` or two synthetic screenshots shown twice; ``continuation``: tokens of the reply
-        the loss covers; ``check``: measure the solved rates against uniform ones end to end (where
+        the loss covers (the reference's reply ends earlier where it ends; default: a whole reply
+        of up to 256 tokens, since a model that describes images first goes wrong dozens of
+        tokens in); ``check``: measure the solved rates against uniform ones end to end (where
         uniform ones were better, the engine uses them). ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
         from samcache.engine.calibration import Calibrator
 

@@ -5,7 +5,9 @@ of requests from the traffic to serve, or by default two synthetic screenshots, 
 another system prompt. For each layer and rate, the reused turn gets the exact KV (from a full
 prefill) for that fraction of its reused tokens at that layer only, in the order the served plan
 uses (span heads, then the turn's own relevance scores); the loss is the KL against the full
-prefill over the reference's first few greedy tokens (teacher-forced), averaged over the pairs.
+prefill over the reference's greedy reply (its first ``continuation`` tokens), averaged over the
+pairs. Each run is teacher-forced with that reply in one forward step (``Executor.forced_step``),
+so a continuation as long as the reply costs about one more prefill, not one step per token.
 ``solve_layer_budget`` turns the curves into rates.
 
 The curves are then checked end to end: at each probe rate, the pairs run through the served
@@ -62,11 +64,12 @@ class Calibrator:
                         image_kv_store=ImageKVStore(pool, runner.num_blocks * runner.block_bytes, runner.block_bytes))
 
     def run(self, images: Sequence[Any] | None = None, *, requests: Sequence[tuple[list, list]] | None = None,
-            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = 8,
+            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = 256,
             check: bool = True, progress: bool = True) -> SensitivityCurves:
         """The curves: for each (layer, rate), the KL of the reused turn against a full prefill,
-        summed over the reference's first ``continuation`` greedy tokens (each run teacher-forced
-        with them), averaged over the calibration pairs.
+        summed over the reference's first ``continuation`` greedy tokens (fewer where its reply
+        ends; each run is teacher-forced with them in one forward step), averaged over the
+        calibration pairs.
 
         ``requests``: (first, reused) pairs of chat messages, e.g. consecutive turns of the traffic
         to serve: the first request's images are kept, the reused one shows some of them again at
@@ -74,7 +77,9 @@ class Calibrator:
         reversed behind another system prompt.
         ``continuation``: why more than the next token: a model whose replies open the same way
         whatever it is shown ('First screenshot: ...') has a next-token KL near 0 at every rate,
-        and the budget solved from it spends the recompute where nothing changes.
+        and the budget solved from it spends the recompute where nothing changes. Why longer: a
+        model that describes the images before answering goes wrong in the description of a moved
+        image, dozens of tokens in; a continuation as long as the reply scores that part too.
         ``check``: measure the solved rates against uniform ones end to end at each probe rate
         (``SensitivityCurves.checked``; about a third more runs)."""
         from samcache.engine.synthetic import screenshot
@@ -169,7 +174,8 @@ class Calibrator:
             ref, ref_logits = reference_prefill(ex, target, engine.model_id, ns)
             try:
                 exact_k, exact_v = r.gather_kv(slot_ids(ex.pool.block_table(ref.seq), order, r.block_size))
-                tokens, ref_logits = _continue(ex, ref.seq, ref_logits, target.next_position, continuation)
+                tokens, ref_logits = _greedy(ex, ref.seq, ref_logits, target.next_position, continuation,
+                                             engine.eos_token_ids)
             finally:
                 ex.pool.free_sequence(ref.seq)
 
@@ -180,7 +186,7 @@ class Calibrator:
                     if before_forward is not None:
                         before_forward(run)
                     first = ex.forward([run.step])[0]
-                    _, logits = _continue(ex, run.seq, first, target.next_position, continuation, forced=tokens)
+                    logits = _forced(ex, run.seq, first, target.next_position, tokens)
                 finally:
                     ex.pool.free_sequence(run.seq)
                 return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
@@ -202,16 +208,24 @@ class Calibrator:
             ex.image_kv_store.clear()
 
 
-def _continue(ex: Executor, seq: int, first: torch.Tensor, position: int, n: int,
-              forced: Sequence[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """The logits of ``n`` tokens of sequence ``seq`` from its next-token logits ``first`` on:
-    greedy, or fed ``forced`` (teacher forcing). Returns (the tokens fed or chosen, the logits)."""
-    logits, tokens = [first], []
-    for step in range(n):
-        tokens.append(int(logits[-1].argmax()) if forced is None else int(forced[step]))
-        if step + 1 < n:
-            logits.append(ex.forward([ex.decode_step(seq, tokens[-1], position + step, hashed=False)])[0])
+def _greedy(ex: Executor, seq: int, first: torch.Tensor, position: int, n: int,
+            stop: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Up to ``n`` greedy tokens of sequence ``seq`` from its next-token logits ``first`` on,
+    ending with the first ``stop`` token (the end of the reply): (the tokens, their logits)."""
+    logits, tokens = [first], [int(first.argmax())]
+    while len(tokens) < n and tokens[-1] not in stop:
+        logits.append(ex.forward([ex.decode_step(seq, tokens[-1], position + len(tokens) - 1, hashed=False)])[0])
+        tokens.append(int(logits[-1].argmax()))
     return tokens, logits
+
+
+def _forced(ex: Executor, seq: int, first: torch.Tensor, position: int, tokens: Sequence[int]) -> list[torch.Tensor]:
+    """The logits of sequence ``seq`` fed ``tokens`` (teacher forcing) from its next-token logits
+    ``first`` on: one per token, ``first`` included, all but the first from one forward step."""
+    if len(tokens) < 2:
+        return [first]
+    rest = ex.forward([ex.forced_step(seq, tokens[:-1], position)], every_row=True)
+    return [first, *rest]
 
 
 __all__ = ["Calibrator"]

@@ -678,10 +678,13 @@ class Executor:
         return step
 
     # ---- stage 2 -------------------------------------------------------------------------------
-    def forward(self, steps: Sequence[SequenceStep]) -> torch.Tensor:
-        """One forward step over these sequences: logits [len(steps), vocab] of their last rows."""
+    def forward(self, steps: Sequence[SequenceStep], *, every_row: bool = False) -> torch.Tensor:
+        """One forward step over these sequences: logits [len(steps), vocab] of their last rows,
+        or with ``every_row`` (one sequence) logits [rows, vocab] of each row it computes."""
         r = self.runner
         steps = list(steps)
+        if every_row and len(steps) != 1:
+            raise ValueError(f"every_row takes one sequence's step, got {len(steps)}")
         decoding = [i for i, s in enumerate(steps) if s.embeds is None]
         if decoding:  # decode rows give token ids: one embedding call for all of them
             ids = np.concatenate([steps[i].token_ids for i in decoding]).astype(np.int64)
@@ -692,6 +695,10 @@ class Executor:
                 steps[i] = replace(steps[i], embeds=embeds[at: at + n])
                 at += n
         batch = StepBatch.build(steps, num_layers=r.num_layers, block_size=self.pool.block_size, device=r.device)
+        if every_row:
+            if batch.layers.count(None) != len(batch.layers):
+                raise ValueError("every_row needs a step that computes all its rows at every layer")
+            batch.logit_rows = batch.all_rows.index
         return r.forward(batch)
 
     def prefill(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> tuple[Prepared, torch.Tensor]:
@@ -816,6 +823,22 @@ class Executor:
         return SequenceStep(rows=np.array([n - 1]), embeds=None, token_ids=np.array([token]),
                             positions=torch.full((3, 1), position, dtype=torch.int64),
                             block_table=pool.block_table(seq), num_kv_tokens=n, compaction=compaction)
+
+    def forced_step(self, seq: int, tokens: Sequence[int], position: int) -> SequenceStep:
+        """Append ``tokens`` to ``seq`` (not hashed) at M-RoPE positions ``position``,
+        ``position + 1``, ...: one step computing them all, the rows greedy decoding fed these
+        tokens would compute one at a time (teacher forcing; ``forward(..., every_row=True)``
+        gives each row's logits)."""
+        if not len(tokens):
+            raise ValueError("a forced step needs at least one token")
+        pool, bs = self.pool, self.pool.block_size
+        n0 = pool.num_tokens(seq)
+        self._demote_for(-(-(n0 + len(tokens)) // bs) - -(-n0 // bs))  # the blocks these tokens open
+        self.runner.copy_on_write(pool.append_slots(seq, len(tokens)).copies)
+        n = pool.num_tokens(seq)
+        return SequenceStep(rows=np.arange(n0, n), embeds=None, token_ids=np.asarray(tokens, dtype=np.int64),
+                            positions=(position + torch.arange(len(tokens), dtype=torch.int64)).expand(3, -1).clone(),
+                            block_table=pool.block_table(seq), num_kv_tokens=n)
 
     # ---- failures --------------------------------------------------------------------------------
     def _finish_load(self, pre: Prepared) -> dict:

@@ -78,7 +78,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                     max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
                     calibration_traces: Sequence[Sequence[Any]] | None = None,
                     track2_shares: Sequence[float] | None = None, sensitivity: Any = None,
-                    progress: bool = True) -> dict:
+                    calibration_continuation: int | None = None, progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
@@ -86,6 +86,10 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     (``Turn.max_new_tokens``, room for a description on dense traces). ``calibration_traces``:
     traces (others than the scored ones) whose consecutive turns calibrate the layer-aware budget
     (:func:`calibration_pairs`); None calibrates on the engine's default synthetic pair.
+    ``calibration_continuation``: reply tokens the calibration's loss covers; None: the whole
+    reply of the calibration turns (their longest ``max_new_tokens``; the reference's reply ends
+    earlier where it ends), else the engine's default (256) on the synthetic pair. Why the whole
+    reply: on dense traces reuse damages the description of a moved image, dozens of tokens in.
     ``track2_shares``: a sweep of ``track2_share`` (the part of the recompute given to relevance,
     track 2) for the two-track modes at each non-zero ratio; None runs the engine's default.
     ``sensitivity``: curves (or the JSON path ``engine.calibrate(save=...)`` wrote) to use instead of
@@ -105,6 +109,10 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         check_int("max_new_tokens", max_new_tokens, 1)
     if sensitivity is not None and calibration_traces is not None:
         raise ValueError("give sensitivity curves or calibration traces, not both")
+    if calibration_continuation is not None:
+        check_int("calibration_continuation", calibration_continuation, 1)
+    elif calibration_traces is not None:
+        calibration_continuation = max(t.max_new_tokens for trace in calibration_traces for t in trace)
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
     runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
@@ -112,7 +120,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     curves = shared.sensitivity  # given (and checked against the model), else calibrated below
     if curves is None and calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
         requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
-        curves = shared.calibrate(requests=requests, progress=progress)
+        curves = shared.calibrate(requests=requests, progress=progress,
+                                  **({} if calibration_continuation is None else {"continuation": calibration_continuation}))
     bar = None
     if progress:
         from tqdm import tqdm

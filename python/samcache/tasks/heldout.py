@@ -1,0 +1,98 @@
+"""Held-out accuracy of a trained visual-QA checkpoint with a full prefill (Hugging Face's own
+``generate``), on more examples than training's periodic evaluation and with Wilson intervals.
+
+Training scores 48 examples per image count every few hundred steps, the first 48 of the test
+stream, and the run is judged by them: an interval of about ±13 points, and examples the run was
+picked on. This scores examples further down the same stream (from ``start``), none of which
+training ever evaluated.
+
+    python -m samcache.tasks.heldout python/samcache/tasks/checkpoints/visual-qa --examples 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from samcache._checks import check_int
+
+#: The first test example scored: far past the ones training evaluates (its ``eval_examples``).
+START = 10_000
+
+
+def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4), start: int = START,
+                     threads: int = 2, progress: bool = True) -> dict:
+    """Accuracy of the checkpoint at ``path`` on ``examples`` held-out questions per image count in
+    ``images``: the test examples ``start`` to ``start + examples`` of its training seed, of the
+    kind, size and reply style (dense or not) its ``training.json`` records. Returns per image
+    count: ``accuracy``, ``correct``, ``examples`` and the Wilson 95% ``interval``."""
+    import torch
+
+    from samcache.engine.loading import load_processor
+    from samcache.eval.task_accuracy import training_defaults, wilson_interval
+    from samcache.models import model_class
+    from samcache.tasks import visual_qa
+    from samcache.tasks.training import evaluate
+
+    check_int("examples", examples, 1)
+    check_int("start", start, 0)
+    check_int("threads", threads, 1)
+    images = list(images)
+    if not images:
+        raise ValueError("images must name at least one image count")
+    for n in images:
+        check_int("images", n, 1)
+    folder = pathlib.Path(path)
+    record = folder / "training.json"
+    if not record.is_file():
+        raise ValueError(f"{folder} has no training.json: not a checkpoint trained by samcache.tasks.training")
+    config = json.loads(record.read_text()).get("config", {})
+    trained = training_defaults(folder)
+    torch.set_num_threads(threads)
+    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
+    processor = load_processor(folder)
+    out = {"checkpoint": str(folder), "start": start, "seed": int(config.get("seed", 0))}
+    for n in images:
+        exs = [visual_qa.make_example(visual_qa.split_seed("test", i, out["seed"]), num_images=n,
+                                      kind=trained.get("kind", "gui"), size=trained.get("size", visual_qa.DEFAULT_SIZE))
+               for i in range(start, start + examples)]
+        if progress:
+            from tqdm import tqdm
+
+            exs = tqdm(exs, desc=f"scoring {n} image(s)", unit="question")
+        got = evaluate(model, processor, exs, visual_qa.messages, dense=trained.get("dense", False))
+        correct = round(got["accuracy"] * got["examples"])
+        out[f"{n}_image"] = {"accuracy": got["accuracy"], "correct": correct, "examples": got["examples"],
+                             "interval": list(wilson_interval(correct, got["examples"]))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a folder written by samcache.tasks.training (or a shipped checkpoint)")
+    parser.add_argument("--examples", type=int, default=200, help="questions per image count")
+    parser.add_argument("--images", type=int, nargs="+", default=[1, 4], help="image counts to score")
+    parser.add_argument("--start", type=int, default=START, help="first test example")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        result = score_checkpoint(args.checkpoint, examples=args.examples, images=args.images, start=args.start,
+                                  threads=args.threads)
+    except (ValueError, OSError) as e:
+        print(f"samcache.tasks.heldout: {e}", file=sys.stderr)
+        return 2
+    for n in args.images:
+        r = result[f"{n}_image"]
+        lo, hi = r["interval"]
+        print(f"{n} image(s): {r['accuracy']:.1%} ({r['correct']}/{r['examples']}) [{lo:.1%}, {hi:.1%}]")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
