@@ -106,6 +106,7 @@ def test_track2_share_sweep_runs_each_share_of_the_two_track_modes(model, monkey
 
 def test_calibration_covers_the_whole_reply_of_the_calibration_turns_unless_told(model, monkeypatch):
     from samcache.engine import SAMcacheEngine
+    from samcache.engine.api import CALIBRATION_CONTINUATION
 
     class Recorded(Exception):
         pass
@@ -125,7 +126,7 @@ def test_calibration_covers_the_whole_reply_of_the_calibration_turns_unless_told
         assert got.value.args[0] == expected
     with pytest.raises(Recorded) as got:  # the synthetic pair: the engine's own default
         evaluate_traces(model, traces, modes=["samcache"], progress=False)
-    assert got.value.args[0] is None
+    assert got.value.args[0] == CALIBRATION_CONTINUATION
     with pytest.raises(ValueError, match="calibration_continuation"):
         evaluate_traces(model, traces, modes=["samcache"], calibration_traces=calibration,
                         calibration_continuation=0, progress=False)

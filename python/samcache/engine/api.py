@@ -129,6 +129,11 @@ class BatchError(RuntimeError):
         self.results = results
 
 
+#: Reply tokens the calibration's loss covers by default: a whole reply (it ends earlier where the
+#: reply does), since a model that describes images first goes wrong dozens of tokens in.
+CALIBRATION_CONTINUATION = 256
+
+
 class SAMcacheEngine:
     """A multimodal chat engine that never encodes or prefills a known image twice.
 
@@ -834,7 +839,7 @@ class SAMcacheEngine:
         *,
         requests: Sequence[tuple[list, list]] | None = None,
         rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
-        continuation: int = 256,
+        continuation: int = CALIBRATION_CONTINUATION,
         check: bool = True,
         save: str | os.PathLike | None = None,
         progress: bool = True,
@@ -862,4 +867,4 @@ class SAMcacheEngine:
                 f"{self.pool.block_size}, recompute={self.recompute_ratio} {self.recompute_budget})")
 
 
-__all__ = ["BatchError", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]
+__all__ = ["BatchError", "CALIBRATION_CONTINUATION", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]

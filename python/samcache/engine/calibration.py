@@ -34,7 +34,7 @@ import torch
 from samcache import ops
 from samcache._checks import check_int
 from samcache.block_pool import BlockPool, slot_ids
-from samcache.engine.api import SAMcacheEngine
+from samcache.engine.api import CALIBRATION_CONTINUATION, SAMcacheEngine
 from samcache.engine.executor import Executor, RequestOptions
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import Prompt, user_message
@@ -64,7 +64,7 @@ class Calibrator:
                         image_kv_store=ImageKVStore(pool, runner.num_blocks * runner.block_bytes, runner.block_bytes))
 
     def run(self, images: Sequence[Any] | None = None, *, requests: Sequence[tuple[list, list]] | None = None,
-            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = 256,
+            rates: Sequence[float] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), continuation: int = CALIBRATION_CONTINUATION,
             check: bool = True, progress: bool = True) -> SensitivityCurves:
         """The curves: for each (layer, rate), the KL of the reused turn against a full prefill,
         summed over the reference's first ``continuation`` greedy tokens (fewer where its reply

@@ -96,6 +96,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     calibrating. The curves used come back as ``sensitivity`` (None for a uniform budget)."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
+    from samcache.engine.api import CALIBRATION_CONTINUATION
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
 
     modes = parse_modes(list(modes))
@@ -113,6 +114,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         check_int("calibration_continuation", calibration_continuation, 1)
     elif calibration_traces is not None:
         calibration_continuation = max(t.max_new_tokens for trace in calibration_traces for t in trace)
+    else:
+        calibration_continuation = CALIBRATION_CONTINUATION
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
     runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
@@ -120,8 +123,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     curves = shared.sensitivity  # given (and checked against the model), else calibrated below
     if curves is None and calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
         requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
-        curves = shared.calibrate(requests=requests, progress=progress,
-                                  **({} if calibration_continuation is None else {"continuation": calibration_continuation}))
+        curves = shared.calibrate(requests=requests, continuation=calibration_continuation, progress=progress)
     bar = None
     if progress:
         from tqdm import tqdm
