@@ -297,11 +297,20 @@ def test_evidence_repeats_the_part_of_the_description_that_holds_the_answer(kind
         assert reply == vqa.dense_reply(ex).replace("\nAnswer:", f"\nFound: {found}\nAnswer:")
         spec = ex.specs[ex.target_image]
         place = f"{vqa.ORDINALS[ex.target_image]} {'page' if kind == 'docs' else ('image' if kind == 'mixed' else 'screenshot')}"
+        if ex.question_type == "which":
+            # every image before the target checked and found without the element, then the target
+            *misses, hit = found.split("; ")
+            keys, _, body = hit.partition(": ")
+            noun = place.split()[-1]
+            assert [m.partition(": ") for m in misses] == [(f"{vqa.ORDINALS[i]} {noun}, {keys.partition(', ')[2]}", ": ", "none")
+                                                          for i in range(ex.target_image)]
+            assert keys.startswith(f"{place}, ") and body in vqa.describe(spec)
+            label, element_kind = keys.partition(", ")[2].split()
+            assert not any(e.label == label and e.kind == element_kind for s in ex.specs[:ex.target_image] for e in s.elements)
+            continue
         keys, _, body = found.partition(": ") if ": " in found else ("", "", found)
-        if ex.question_type in ("which", "which_page"):
-            # the looked-up key first, the image's ordinal last
-            assert found.endswith(f" in the {place}" if ex.question_type == "which" else f": the {place}")
-            assert ex.question_type == "which_page" or body.removesuffix(f" in the {place}") in vqa.describe(spec)
+        if ex.question_type == "which_page":
+            assert found.endswith(f": the {place}")  # the looked-up key first, the image's ordinal last
         else:
             if len(ex.specs) > 1:
                 assert keys.startswith(f"{place}")

@@ -146,10 +146,11 @@ def test_the_dense_token_budget_holds_the_longest_replies(tmp_path):
     build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
     tok = load_processor(tmp_path).tokenizer
     for n in range(1, vqa.MAX_IMAGES + 1):
-        longest = max(len(tok(vqa.dense_reply(vqa.make_example(vqa.split_seed("test", i), num_images=n, size=(84, 84)),
-                                              evidence=True)
-                              + "<|im_end|>", add_special_tokens=False)["input_ids"]) for i in range(200))
-        assert longest <= vqa.dense_token_budget(n), (n, longest)
+        for kind in vqa.IMAGE_KINDS:
+            longest = max(len(tok(vqa.dense_reply(vqa.make_example(vqa.split_seed("test", i), num_images=n, kind=kind,
+                                                                   size=(84, 84)), evidence=True)
+                                  + "<|im_end|>", add_special_tokens=False)["input_ids"]) for i in range(120))
+            assert longest <= vqa.dense_token_budget(n), (n, kind, longest)
 
 
 def test_deepening_a_checkpoint_keeps_its_outputs(tmp_path):

@@ -6,6 +6,10 @@ stream, and the run is judged by them: an interval of about ±13 points, and exa
 picked on. This scores examples further down the same stream (from ``start``), none of which
 training ever evaluated.
 
+Beside the accuracy it says where the errors come from: the accuracy of each question type, and
+for dense replies the share of description parts given right and how many wrong answers follow a
+description that is right in every part (the model saw the images right and failed the lookup).
+
     python -m samcache.tasks.heldout python/samcache/tasks/checkpoints/visual-qa --examples 200
 """
 
@@ -28,7 +32,10 @@ def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4
     """Accuracy of the checkpoint at ``path`` on ``examples`` held-out questions per image count in
     ``images``: the test examples ``start`` to ``start + examples`` of its training seed, of the
     kind, size and reply style (dense or not) its ``training.json`` records. Returns per image
-    count: ``accuracy``, ``correct``, ``examples`` and the Wilson 95% ``interval``."""
+    count: ``accuracy``, ``correct``, ``examples``, the Wilson 95% ``interval``, ``by_question``
+    (question type: ``examples``, ``correct``) and for dense replies ``described_parts`` (the share
+    of description parts right, :func:`~samcache.tasks.visual_qa.described_parts`) and
+    ``wrong_after_exact_description`` (wrong answers whose description was right in every part)."""
     import torch
 
     from samcache.engine.loading import load_processor
@@ -55,18 +62,30 @@ def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4
     model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
     processor = load_processor(folder)
     out = {"checkpoint": str(folder), "start": start, "seed": int(config.get("seed", 0))}
+    dense = trained.get("dense", False)
     for n in images:
         exs = [visual_qa.make_example(visual_qa.split_seed("test", i, out["seed"]), num_images=n,
                                       kind=trained.get("kind", "gui"), size=trained.get("size", visual_qa.DEFAULT_SIZE))
                for i in range(start, start + examples)]
+        shown = exs
         if progress:
             from tqdm import tqdm
 
-            exs = tqdm(exs, desc=f"scoring {n} image(s)", unit="question")
-        got = evaluate(model, processor, exs, visual_qa.messages, dense=trained.get("dense", False))
-        correct = round(got["accuracy"] * got["examples"])
-        out[f"{n}_image"] = {"accuracy": got["accuracy"], "correct": correct, "examples": got["examples"],
-                             "interval": list(wilson_interval(correct, got["examples"]))}
+            shown = tqdm(exs, desc=f"scoring {n} image(s)", unit="question")
+        got = evaluate(model, processor, shown, visual_qa.messages, dense=dense, replies=True)
+        right = [visual_qa.is_correct(reply, ex.answer) for ex, reply in zip(exs, got["replies"])]
+        correct = sum(right)
+        result = {"accuracy": correct / len(exs), "correct": correct, "examples": len(exs),
+                  "interval": list(wilson_interval(correct, len(exs))), "by_question": {}}
+        for ex, ok in zip(exs, right):
+            tally = result["by_question"].setdefault(ex.question_type, {"examples": 0, "correct": 0})
+            tally["examples"] += 1
+            tally["correct"] += ok
+        if dense:
+            parts = [visual_qa.described_parts(reply, ex.specs) for ex, reply in zip(exs, got["replies"])]
+            result["described_parts"] = sum(map(sum, parts)) / max(1, sum(map(len, parts)))
+            result["wrong_after_exact_description"] = sum(not ok and all(p) for ok, p in zip(right, parts))
+        out[f"{n}_image"] = result
     return out
 
 
@@ -89,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         r = result[f"{n}_image"]
         lo, hi = r["interval"]
         print(f"{n} image(s): {r['accuracy']:.1%} ({r['correct']}/{r['examples']}) [{lo:.1%}, {hi:.1%}]")
+        print("  by question: " + ", ".join(f"{q} {t['correct']}/{t['examples']}" for q, t in sorted(r["by_question"].items())))
+        if "described_parts" in r:
+            print(f"  description parts right: {r['described_parts']:.1%}; wrong answers after an exact "
+                  f"description: {r['wrong_after_exact_description']} of {r['examples'] - r['correct']}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -195,15 +195,16 @@ def weighted_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, processor, examples: Sequence[Any], make_messages, *, dense: bool = False,
-             max_new_tokens: int | None = None) -> dict:
+             max_new_tokens: int | None = None, replies: bool = False) -> dict:
     """Greedy-decoded replies against the answers: accuracy over ``examples``. ``dense``: the
-    question asks the model to describe every element first, the answer follows 'Answer:'."""
+    question asks the model to describe every element first, the answer follows 'Answer:'.
+    ``replies``: also return the replies themselves (``"replies"``, in the examples' order)."""
     from PIL import Image
 
     from samcache.tasks.visual_qa import dense_token_budget, is_correct
 
     model.eval()
-    correct = 0
+    correct, texts = 0, []
     for ex in examples:
         chat, ims = _chat(make_messages(ex, dense=dense, answer=False))
         budget = max_new_tokens or (dense_token_budget(len(ims)) if dense else 6)
@@ -212,8 +213,10 @@ def evaluate(model, processor, examples: Sequence[Any], make_messages, *, dense:
         out = model.generate(**enc, max_new_tokens=budget, do_sample=False)
         reply = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         correct += is_correct(reply, ex.answer)
+        texts.append(reply)
     model.train()
-    return {"accuracy": correct / max(1, len(examples)), "examples": len(examples)}
+    out = {"accuracy": correct / max(1, len(examples)), "examples": len(examples)}
+    return {**out, "replies": texts} if replies else out
 
 
 #: What the vision-stage probes classify for each merged image token: the colour, kind and label of

@@ -543,14 +543,19 @@ def dense_reply(example: Example, *, evidence: bool = False) -> str:
 def evidence_line(example: Example) -> str:
     """The 'Found:' line of a dense reply: the keys the question gives (the image's ordinal when
     there are several, then the element's known attributes), a colon, then the part of the
-    description that holds the answer; for 'which' questions the image's ordinal comes last.
+    description that holds the answer. A 'which' question names no image, so its line checks them
+    in order ('first screenshot, Save button: none; second screenshot, Save button: red button Save
+    at top left') and stops at the one that holds the element.
 
     Why keys first: a line that starts with what is being looked up ('third screenshot, Find
     button: ...') lets the model write it by copying from the question, and then continue it by
     copying from the description after the same words, which a small model learns. A line that
     starts with the answer ('Third screenshot: ...' for 'which screenshot shows ...?') asks it to
     know the answer before writing anything: run 6 wrote such lines right 29% of the time with
-    87% of the descriptions exact (docs/benchmark.md)."""
+    87% of the descriptions exact (docs/benchmark.md). The old 'which' line ('Save button: red
+    button Save at top left in the second screenshot') had to find the element among all the
+    images at once: run 22 wrote it right 7 times in 28 (chance is 1 in 4) while describing 99.5%
+    of the parts right and getting the keyed questions 92% right."""
     return _evidence(example.specs, example.kind, example.question_type, example.question,
                      example.answer, example.target_image)
 
@@ -563,7 +568,11 @@ def _evidence(specs: Sequence[ImageSpec], family: str, qtype: str, question: str
         element = next(e for e in spec.elements
                        if answer in (e.colour, e.cell, e.label) or f" {e.label} {e.kind}" in question)
         if qtype == "which":
-            return f"{element.label} {element.kind}: {element} in the {place}"
+            # Image by image, each checked as a 'where' line checks one: the named image first.
+            keys = f"{element.label} {element.kind}"
+            noun = _noun(spec.kind, family)
+            return "; ".join([*(f"{ORDINALS[i]} {noun}, {keys}: none" for i in range(target)),
+                              f"{place}, {keys}: {element}"])
         keys = {"colour": f"{element.kind} at {element.cell}", "where": f"{element.label} {element.kind}",
                 "label": f"{element.colour} {element.kind}"}[qtype]
         return f"{at}{keys}: {element}"
@@ -588,10 +597,10 @@ def _dense_text(specs: Sequence[ImageSpec], family: str, answer: str, found: str
 def dense_token_budget(num_images: int) -> int:
     """Enough new tokens for a dense reply about ``num_images`` images with the project's
     tokenizer: up to 4 elements of up to 15 tokens per image, a header per image, the evidence
-    line and the answer (the longest replies over 300 seeds take 68, 133, 190 and 250 tokens for
-    1-4 images without evidence; a budget too short cuts the answer off and scores a right reply
-    as wrong)."""
-    return 32 + 64 * num_images
+    line and the answer (the longest replies with evidence over 1,500 seeds of each kind take 98,
+    169, 235 and 309 tokens for 1-4 images; a budget too short cuts the answer off and scores a
+    right reply as wrong, and a trained model stops at the reply's end, well inside it)."""
+    return 48 + 72 * num_images
 
 
 def messages(example: Example, *, dense: bool = False, system: str | None = None,
