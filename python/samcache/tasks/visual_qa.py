@@ -568,7 +568,7 @@ def _evidence(specs: Sequence[ImageSpec], family: str, qtype: str, question: str
         element = next(e for e in spec.elements
                        if answer in (e.colour, e.cell, e.label) or f" {e.label} {e.kind}" in question)
         if qtype == "which":
-            # Image by image, each checked as a 'where' line checks one: the named image first.
+            # Image by image in order, each checked the way a 'where' line checks the image it names.
             keys = f"{element.label} {element.kind}"
             noun = _noun(spec.kind, family)
             return "; ".join([*(f"{ORDINALS[i]} {noun}, {keys}: none" for i in range(target)),
