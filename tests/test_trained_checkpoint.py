@@ -81,3 +81,23 @@ def test_heldout_scoring_refuses_what_it_cannot_score(trained_run, tmp_path, cap
     with pytest.raises(ValueError, match="no training.json"):
         score_checkpoint(trained_run, progress=False)
     assert main([str(trained_run)]) == 2 and "no training.json" in capsys.readouterr().err
+
+
+def test_evaluate_returns_the_replies_it_scored_and_refuses_a_bad_flag():
+    import torch
+
+    from samcache.engine.loading import load_processor
+    from samcache.models import model_class
+    from samcache.tasks import visual_qa
+    from samcache.tasks.training import evaluate
+
+    folder = checkpoint.trained_model()
+    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
+    processor = load_processor(folder)
+    exs = list(visual_qa.examples("test", 3, size=(84, 84)))
+    with pytest.raises(TypeError, match="replies must be a bool"):
+        evaluate(model, processor, exs, visual_qa.messages, dense=True, replies="yes")
+    got = evaluate(model, processor, exs, visual_qa.messages, dense=True, replies=True)
+    assert len(got["replies"]) == 3 and all(isinstance(r, str) for r in got["replies"])
+    assert got["accuracy"] == sum(visual_qa.is_correct(r, ex.answer) for r, ex in zip(got["replies"], exs)) / 3
+    assert "replies" not in evaluate(model, processor, exs[:1], visual_qa.messages, dense=True)

@@ -203,6 +203,8 @@ def evaluate(model, processor, examples: Sequence[Any], make_messages, *, dense:
 
     from samcache.tasks.visual_qa import dense_token_budget, is_correct
 
+    if not isinstance(replies, bool):
+        raise TypeError(f"replies must be a bool, got {replies!r}")
     model.eval()
     correct, texts = 0, []
     for ex in examples:
