@@ -203,6 +203,63 @@ def test_keep_image_order_reuses_an_image_only_at_its_own_index(checkpoints):
     assert_clean(free)
 
 
+def test_keep_image_order_auto_follows_the_calibrations_image_order_check(checkpoints):
+    from samcache.recompute.image_order import ImageOrderCheck
+
+    path = checkpoints["qwen2_5_vl"]
+    L = make_engine(path).runner.num_layers
+    rates, nan = np.array([0.0, 0.2, 0.5, 1.0]), np.nan
+    # Reuse at another index changed confident tokens up to 0.5 with the solved rates, only at 0
+    # with uniform ones; recomputing everything changed none.
+    order = ImageOrderCheck(rates, [[10, 10], [50, 100], [80, 100], [100, 100]], confident=100, pairs=2)
+    checked = [[nan, nan], [0.1, 0.5], [0.5, 0.1], [nan, nan]]  # end to end, uniform won at 0.5 only
+    curves = SensitivityCurves(rates, np.ones((L, 4)), checked=checked, image_order=order)
+    a, b = shots(14, 15)
+
+    def swapped_hits(**kw) -> int:
+        engine = make_engine(path, **kw)
+        engine.chat(messages=messages("First.", [a, b], "Look."), max_new_tokens=1)
+        hits = engine.chat(messages=messages("Another system prompt.", [b, a], "Now?"), max_new_tokens=1).metrics.image_kv_hits
+        assert_clean(engine)
+        return hits
+
+    layer_aware = dict(recompute_budget="layer-aware", sensitivity=curves)
+    assert swapped_hits(recompute_ratio=0.2, **layer_aware) == 0  # solved rates at 0.2: order kept
+    assert swapped_hits(recompute_ratio=0.5, **layer_aware) == 2  # the check's uniform rates at 0.5: repaired
+    assert swapped_hits(recompute_ratio=0.2, recompute_budget="uniform", sensitivity=curves) == 2
+    assert swapped_hits(recompute_ratio=0.2, keep_image_order=False, **layer_aware) == 2  # told, not auto
+    with pytest.warns(UserWarning, match="reused at any index"):
+        assert swapped_hits(recompute_ratio=0.2, recompute_budget="layer-aware") == 2  # no curves: any index
+    engine = make_engine(path, recompute_ratio=0.2, **layer_aware)
+    assert [engine.keeps_image_order(r) for r in (0.0, 0.2, 0.5, 1.0)] == [True, True, False, False]
+    assert engine.request_options().keep_image_order and not engine.request_options(1.0).keep_image_order
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        engine.keeps_image_order(1.5)
+    with pytest.raises(TypeError, match="True, False or 'auto'"):
+        make_engine(path, keep_image_order="always")
+
+
+def test_calibration_checks_image_order_on_the_pairs_where_an_index_changed(checkpoints, tmp_path):
+    engine = make_engine(checkpoints["qwen2_5_vl"], recompute_budget="layer-aware")
+    moved = (messages("You are an agent.", shots(80, 81), "Step 1?"), messages("You are an agent.", shots(81, 82), "Step 2?"))
+    kept = (messages("Plan.", shots(83, 84), "a"), messages("Sub-agent 1 of a planner.", shots(83, 85), "b"))
+    rates = (0.0, 0.5, 1.0)
+    curves = engine.calibrate(requests=[moved, kept], rates=rates, continuation=6, progress=False,
+                              save=tmp_path / "curves.json")
+    order = curves.image_order
+    assert order.pairs == 1 and 0 <= order.confident <= 6  # the moved pair's reference tokens only
+    assert np.isfinite(order.agreed).all() and (order.agreed <= order.confident).all()  # 0, 0.5 and 1: all measured
+    assert order.agreed[-1, 0] == order.confident  # recomputing everything keeps every confident token
+    # A random-weight model is rarely confident: too few tokens to give up reuse at another index.
+    assert not engine.keeps_image_order() and order.confident < 50
+    loaded = make_engine(checkpoints["qwen2_5_vl"], sensitivity=tmp_path / "curves.json")
+    assert np.array_equal(loaded.sensitivity.image_order.agreed, order.agreed)
+    # Pairs whose images all keep their index, or no end-to-end check: nothing to say.
+    assert engine.calibrate(requests=[kept], rates=rates, continuation=2, progress=False).image_order is None
+    assert engine.calibrate(requests=[moved], rates=rates, continuation=2, check=False, progress=False).image_order is None
+    assert_clean(engine)
+
+
 # ---- wrong-content safety -----------------------------------------------------------------------
 def test_different_images_one_pixel_model_id_and_tenant_never_share_entries(checkpoints):
     path = checkpoints["qwen2_5_vl"]
@@ -330,7 +387,8 @@ def test_calibrate_probes_every_layer_and_drives_the_budget(checkpoints, tmp_pat
     L = engine.runner.num_layers
     assert curves.loss.shape == (L, 4)
     assert np.allclose(curves.loss[:, 0], curves.loss[0, 0])  # rate 0 is the same run at every layer
-    assert (curves.loss[:, -1] <= curves.loss[:, 0] + 1e-9).all()  # exact KV never hurts on average here
+    # Exact KV never hurts on average here (up to float32 rounding: layer 0 is exact after re-rotation).
+    assert (curves.loss[:, -1] <= curves.loss[:, 0] * (1 + 1e-6) + 1e-9).all()
     saved = json.loads((tmp_path / "curves.json").read_text())
     assert saved["loss"] == curves.loss.tolist()
     # The end-to-end check ran at the probe rates strictly between 0 and 1, through the served path.

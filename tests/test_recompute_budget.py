@@ -134,3 +134,80 @@ def test_bad_input():
         probe_layer_sensitivity(None, 2)
     with pytest.raises(ValueError):
         probe_layer_sensitivity(lambda l, r: 0.0, 0)
+
+
+# ---- the image-order check (keep_image_order="auto") ------------------------------------------------
+def test_the_image_order_check_keeps_the_order_only_on_enough_evidence_of_damage():
+    from samcache.recompute.image_order import AGREEMENT_BAR, MIN_CONFIDENT_TOKENS, ImageOrderCheck
+
+    rates, nan = np.array([0.0, 0.05, 0.2, 1.0]), np.nan
+    n = 200
+    # Solved rates measured at 0.05 and 0.2 only; uniform at every rate; 0 and 1 the same run.
+    agreed = [[150, 150], [160, 170], [nan, 190], [200, 200]]
+    check = ImageOrderCheck(rates, agreed, confident=n, pairs=3)
+    assert check.agreement(0.0) == 0.75 and check.agreement(0.05) == 0.8 and check.agreement(0.05, uniform=True) == 0.85
+    assert check.agreement(0.15) == 0.8  # the nearest measured solved rate is 0.05 (0.2 was not measured)
+    assert check.agreement(0.15, uniform=True) == 0.95 and check.agreement(0.9) == 1.0
+    assert [check.keeps_order(r) for r in (0.0, 0.05, 0.2, 1.0)] == [True, True, True, False]
+    # At the bar: 1 token in 100 changed is not enough to give up reuse at another index.
+    at_bar = ImageOrderCheck(rates, [[AGREEMENT_BAR * n] * 2] * 4, confident=n, pairs=1)
+    assert not at_bar.keeps_order(0.05)
+    # Too few confident tokens (a model with flat distributions): no evidence, no change.
+    few = MIN_CONFIDENT_TOKENS - 1
+    assert not ImageOrderCheck(rates, [[0, 0]] * 4, confident=few, pairs=1).keeps_order(0.05)
+    assert ImageOrderCheck(rates, [[0, 0]] * 4, confident=few + 1, pairs=1).keeps_order(0.05)
+    empty = ImageOrderCheck(rates, np.full((4, 2), nan), confident=0, pairs=1)
+    assert empty.agreement(0.05) is None and not empty.keeps_order(0.05)
+    # JSON and back, inside the curves too.
+    again = ImageOrderCheck.from_dict(check.to_dict())
+    assert np.array_equal(again.agreed, check.agreed, equal_nan=True) and (again.confident, again.pairs) == (n, 3)
+    curves = SensitivityCurves(rates, np.ones((2, 4)), image_order=check)
+    loaded = SensitivityCurves.from_dict(curves.to_dict("m"))
+    assert np.array_equal(loaded.image_order.agreed, check.agreed, equal_nan=True)
+    assert SensitivityCurves.from_dict(SensitivityCurves(rates, np.ones((2, 4))).to_dict()).image_order is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(agreed=np.zeros((3, 2))), "agreed must be"),
+    (dict(agreed=[[11, 0]] * 4), r"\[0, confident=10\]"),
+    (dict(agreed=[[-1, 0]] * 4), r"\[0, confident=10\]"),
+    (dict(confident=-1), "confident"),
+    (dict(confident=True), "confident"),
+    (dict(pairs=1.5), "pairs"),
+    (dict(rates=[]), "rates"),
+])
+def test_the_image_order_check_refuses_bad_input(bad, match):
+    from samcache.recompute.image_order import ImageOrderCheck
+
+    kwargs = dict(rates=[0.0, 0.1, 0.5, 1.0], agreed=np.zeros((4, 2)), confident=10, pairs=1)
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=match):
+        ImageOrderCheck(**kwargs)
+    with pytest.raises(ValueError, match="rate must be"):
+        ImageOrderCheck([0.0, 1.0], np.zeros((2, 2)), 1, 1).agreement(1.5)
+
+
+def test_curves_refuse_an_image_order_check_of_other_rates():
+    from samcache.recompute.image_order import ImageOrderCheck
+
+    rates = np.array([0.0, 0.5, 1.0])
+    with pytest.raises(ValueError, match="other probe rates"):
+        SensitivityCurves(rates, np.ones((2, 3)), image_order=ImageOrderCheck([0.0, 1.0], np.zeros((2, 2)), 1, 1))
+    with pytest.raises(TypeError, match="ImageOrderCheck"):
+        SensitivityCurves(rates, np.ones((2, 3)), image_order={"agreed": []})
+
+
+def test_confident_agreement_counts_only_where_the_reference_is_confident():
+    import torch
+
+    from samcache.recompute.image_order import confident_agreement
+
+    sure = torch.tensor([0.0, 5.0, 0.0])  # top-1 probability ~0.99
+    flat = torch.tensor([0.0, 0.1, 0.0])  # ~0.36: not evidence
+    other = torch.tensor([5.0, 0.0, 0.0])
+    reference = [sure, flat, sure, sure]
+    got = [sure, other, other, sure * 0.1]  # agrees, (not counted), disagrees, agrees with little confidence
+    assert confident_agreement(reference, got) == (2, 3)
+    assert confident_agreement([], []) == (0, 0)
+    with pytest.raises(ValueError, match="same tokens"):
+        confident_agreement(reference, got[:2])

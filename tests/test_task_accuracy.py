@@ -69,7 +69,7 @@ def test_calibration_pairs_are_consecutive_turns_that_reuse_an_image():
 
 @pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["vllm"]),
                                  dict(traces=[]), dict(max_new_tokens=0), dict(track2_shares=[1.5]),
-                                 dict(track2_shares="half"), dict(track2_shares=[])])
+                                 dict(track2_shares="half"), dict(track2_shares=[]), dict(keep_image_order="yes")])
 def test_refuses_bad_arguments(model, bad):
     kwargs = dict(traces=[visual_qa.trace(1, scenario="gui", turns=1, window=1)], modes=["samcache"], calibrate=False,
                   progress=False)
@@ -132,6 +132,34 @@ def test_calibration_covers_the_whole_reply_of_the_calibration_turns_unless_told
                         calibration_continuation=0, progress=False)
 
 
+def test_keep_image_order_auto_follows_the_curves_in_every_mode_that_reuses_image_kv(model):
+    import numpy as np
+
+    from samcache.recompute import ImageOrderCheck, SensitivityCurves
+
+    rates = np.array([0.0, 0.05, 1.0])
+    # Curves whose image-order check found reuse at another index damaging below 1.0.
+    order = ImageOrderCheck(rates, [[50, 50], [60, 60], [100, 100]], confident=100, pairs=1)
+    curves = SensitivityCurves(rates, np.ones((2, 3)), image_order=order)
+    traces = [visual_qa.trace(5, scenario="gui", turns=3, window=2)]
+    modes = ["baseline", "samcache", "ordered", "uniform-budget"]
+    out = evaluate_traces(model, traces, modes=modes, recompute=[0.05, 1.0], sensitivity=curves, max_new_tokens=2,
+                          fidelity=False, progress=False)
+    runs = {(r["mode"], r["recompute"]): r for r in out["runs"]}
+    assert {k: r["keeps_image_order"] for k, r in runs.items()} == {
+        ("baseline", None): None, ("samcache", 0.05): True, ("samcache", 1.0): False, ("ordered", 0.05): True,
+        ("ordered", 1.0): True, ("uniform-budget", 0.05): True, ("uniform-budget", 1.0): False}
+    # Keeping the order, samcache reuses what the ordered mode reuses, and answers the same.
+    auto, ordered = runs[("samcache", 0.05)]["turns"], runs[("ordered", 0.05)]["turns"]
+    assert [t["image_reused_tokens"] for t in auto] == [t["image_reused_tokens"] for t in ordered]
+    assert [t["reply"] for t in auto] == [t["reply"] for t in ordered]
+    told = evaluate_traces(model, traces, modes=["samcache"], recompute=[0.05], sensitivity=curves, max_new_tokens=2,
+                           fidelity=False, keep_image_order=False, progress=False)["runs"][0]
+    assert told["keeps_image_order"] is False
+    # The window slides: told to reuse at any index, it reuses more than keeping the order allows.
+    assert sum(t["image_reused_tokens"] for t in told["turns"]) > sum(t["image_reused_tokens"] for t in auto)
+
+
 def test_wilson_interval():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     lo, hi = wilson_interval(45, 50)
@@ -156,6 +184,12 @@ def test_cli_eval(model, tmp_path, capsys):
     assert ("samcache @ 0", "baseline") in pairs and ("samcache @ 0", "head-only @ 0") in pairs
     assert (tmp_path / "accuracy.png").stat().st_size > 0
     assert main(["eval", "--model", str(model), "--modes", "bogus", "--quiet"]) == 2
+    assert main(["eval", "--model", str(model), "--traces", "1", "--turns", "2", "--window", "2", "--modes", "samcache",
+                 "--max-new-tokens", "1", "--no-fidelity", "--no-calibrate", "--keep-image-order", "true", "--quiet",
+                 "--out", str(tmp_path / "told")]) == 0
+    assert json.loads((tmp_path / "told" / "results.json").read_text())["runs"][0]["keeps_image_order"] is True
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", str(model), "--keep-image-order", "sometimes"])
 
 
 def test_cli_eval_saves_its_calibration_and_reuses_it(model, tmp_path, capsys):

@@ -101,3 +101,33 @@ def test_evaluate_returns_the_replies_it_scored_and_refuses_a_bad_flag():
     assert len(got["replies"]) == 3 and all(isinstance(r, str) for r in got["replies"])
     assert got["accuracy"] == sum(visual_qa.is_correct(r, ex.answer) for r, ex in zip(got["replies"], exs)) / 3
     assert "replies" not in evaluate(model, processor, exs[:1], visual_qa.messages, dense=True)
+
+
+def test_calibration_finds_that_the_trained_model_needs_its_images_in_order():
+    """keep_image_order="auto" on the model that writes an image's index into its KV: on a pair of
+    turns where a screenshot moves from second to first, reuse at recompute 0 changes confident
+    tokens of the reply (run 24: 120 of 127 kept), recomputing everything changes none, so the
+    engine keeps images at their own index at 0.05 and not at 1.0; then serves the trace so."""
+    from samcache.engine import SAMcacheEngine
+    from samcache.eval.task_accuracy import calibration_pairs, reordered_turns, training_defaults
+    from samcache.recompute.image_order import MIN_CONFIDENT_TOKENS
+    from samcache.tasks import visual_qa
+
+    folder = checkpoint.trained_model()
+    size = training_defaults(folder)["size"]
+    trace = visual_qa.trace(visual_qa.split_seed("test", 2_000_000, 0), scenario="gui", turns=3, window=2, size=size,
+                            dense=True)
+    assert reordered_turns(trace) == [False, False, True]  # the third turn shows the second screenshot first
+    engine = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20)
+    assert engine.keep_image_order == "auto" and not engine.keeps_image_order()  # no calibration yet
+    curves = engine.calibrate(requests=calibration_pairs([trace]), rates=(0.0, 0.05, 1.0),
+                              continuation=max(t.max_new_tokens for t in trace), progress=False)
+    order = curves.image_order
+    assert order.pairs == 1 and order.confident >= MIN_CONFIDENT_TOKENS  # the pair (turn 2, turn 3)
+    assert order.agreement(0.0) < 0.99 and order.agreement(1.0) == 1.0
+    assert engine.keeps_image_order() and engine.keeps_image_order(0.0) and not engine.keeps_image_order(1.0)
+    for keep, hits in (("auto", 0), (False, 1)):
+        served = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20, sensitivity=curves,
+                                keep_image_order=keep, share_weights_with=engine)
+        last = [served.chat(messages=t.messages, max_new_tokens=4) for t in trace][-1]
+        assert last.metrics.image_kv_hits == hits, keep  # the moved screenshot: prefilled again, or reused

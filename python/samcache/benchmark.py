@@ -60,11 +60,21 @@ class Mode:
     peer: str | None = None  # another engine (samcache.peers), not a samcache engine
     needs_compression: bool = False  # runs only with compression keep ratios
 
+    @property
+    def reads_curves(self) -> bool:
+        """Whether its engine reads calibrated curves: for the layer-aware budget, or for
+        ``keep_image_order="auto"`` (the default) wherever it reuses image KV."""
+        kw = self.engine_kwargs
+        if self.peer or self.new_content_only or kw.get("cache_enabled") is False or kw.get("image_kv_cache") is False:
+            return False
+        return self.layer_aware or "keep_image_order" not in kw
+
 
 MODES: dict[str, Mode] = {
     "baseline": Mode("no reuse: every image encoded, every token prefilled", {"cache_enabled": False}),
     "prefix": Mode("exact prefix caching + per-image ViT cache (vLLM / SGLang today)", {"image_kv_cache": False}),
-    "samcache": Mode("image KV reused at any position, two-track recompute, layer-aware budget", {},
+    "samcache": Mode("image KV reused at any position (at its own index where the calibration found that needed: "
+                     "keep_image_order='auto'), two-track recompute, layer-aware budget", {},
                      recomputes=True, layer_aware=True),
     "ordered": Mode("samcache, image KV reused only where the image keeps its index among the prompt's images",
                     {"keep_image_order": True}, recomputes=True, layer_aware=True),
@@ -119,17 +129,18 @@ def parse_ratios(ratios: str | Sequence[float]) -> list[float]:
 def mode_engine_kwargs(mode: str, ratio: float | None, curves: Any, base: dict[str, Any],
                        keep: float | None = None) -> dict[str, Any]:
     """The engine arguments of one (mode, recompute ratio, compression keep) run: ``base`` with the
-    mode's own, the ratio, compression at ``keep`` (None: off), and for layer-aware modes the
-    calibrated ``curves`` (a uniform budget without them)."""
+    mode's own, the ratio, compression at ``keep`` (None: off), and for modes that read them
+    (:attr:`Mode.reads_curves`) the calibrated ``curves`` (for layer-aware modes, a uniform budget
+    without them)."""
     kw = {**base, **MODES[mode].engine_kwargs}
     if ratio is not None:
         kw["recompute_ratio"] = ratio
     if keep is not None:
         kw.update(compression_enabled=True, compression_keep=keep)
-    if MODES[mode].layer_aware:
+    if MODES[mode].reads_curves:
         kw["sensitivity"] = curves
-        if curves is None:
-            kw["recompute_budget"] = "uniform"
+    if MODES[mode].layer_aware and curves is None:
+        kw["recompute_budget"] = "uniform"
     return kw
 
 
@@ -280,7 +291,7 @@ def run_benchmark(
             for k in (keeps if not MODES[m].new_content_only else [None])]
     curves = None
     meta: dict[str, Any] = {}
-    if any(MODES[m].layer_aware for m, _, _ in runs) and calibrate:
+    if any(MODES[m].reads_curves for m, _, _ in runs) and calibrate:
         probe = SAMcacheEngine(model_path, **base)
         t0 = time.perf_counter()
         curves = probe.calibrate(progress=progress)

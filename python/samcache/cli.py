@@ -148,6 +148,10 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
     return 0
 
 
+#: ``--keep-image-order`` choices and the engine's values for them.
+_ORDER_CHOICES = {"auto": "auto", "true": True, "false": False}
+
+
 def _eval(args) -> int:
     from samcache.eval.task_accuracy import (
         CALIBRATION_OFFSET,
@@ -180,7 +184,8 @@ def _eval(args) -> int:
                               device=args.device, calibrate=not args.no_calibrate, max_new_tokens=args.max_new_tokens,
                               fidelity=not args.no_fidelity, calibration_traces=calibration,
                               track2_shares=args.track2_share, sensitivity=args.sensitivity,
-                              calibration_continuation=args.calibration_continuation, progress=not args.quiet)
+                              calibration_continuation=args.calibration_continuation,
+                              keep_image_order=_ORDER_CHOICES[args.keep_image_order], progress=not args.quiet)
     except (ValueError, OSError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
@@ -192,8 +197,9 @@ def _eval(args) -> int:
         kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
         described = "" if run["description_accuracy"] is None else \
             "  described {:.3f} [{:.3f}, {:.3f}]".format(run["description_accuracy"], *run["description_interval"])
+        order = "  (image order kept)" if run.get("keeps_image_order") else ""
         print(f"{run['mode'] + ratio:<22} accuracy {run['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]  "
-              f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}{described}")
+              f"after turn 1 {run['accuracy_after_first_turn'] or 0:.3f}  KL median {kl}{described}{order}")
         for order, group in run["by_image_order"].items():
             parts = "" if group["description_accuracy"] is None else f", described {group['description_accuracy']:.3f}"
             print(f"    later turns, images {order}: accuracy {group['accuracy']:.3f} over {group['turns_scored']}{parts}")
@@ -325,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--calibration-continuation", type=int, default=None, metavar="N",
                    help="reply tokens the calibration's loss covers (default: the whole reply of the calibration "
                         "turns; 256 on the synthetic pair)")
+    e.add_argument("--keep-image-order", default="auto", choices=list(_ORDER_CHOICES),
+                   help="the engines' keep_image_order in every mode but 'ordered' (default auto: the calibration "
+                        "decides whether an image's KV is reused only at its own index)")
     e.add_argument("--out", help="folder for results.json")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_eval)

@@ -155,7 +155,10 @@ class SAMcacheEngine:
     ``keep_image_order=True`` reuses an image's KV only where the image keeps its index among the
     prompt's images (first stays first): for models that write an image's order into its KV, where
     reuse at another index misleads them whatever the recompute ratio (docs/design.md); a moved
-    image is prefilled again from its cached ViT output.
+    image is prefilled again from its cached ViT output. ``"auto"`` (default) lets the calibration
+    decide (:meth:`keeps_image_order`): it keeps the order where reuse at another index, at this
+    engine's recompute ratio, changed more than 1 in 100 of the reference's confident tokens
+    (``SensitivityCurves.image_order``); before calibration, images are reused at any index.
 
     Memory: ``kv_cache_bytes`` sizes the paged KV pool. Images' KV stays in the pool's blocks
     (held once, never copied beside them), at most ``image_kv_cache_bytes`` of it (default: the
@@ -193,7 +196,7 @@ class SAMcacheEngine:
         track2_share: float = 0.5,
         recompute_tracks: str = "both",
         recompute_relevance: str = "attention",
-        keep_image_order: bool = False,
+        keep_image_order: bool | str = "auto",
         prefix_cache: bool = True,
         prefix_reuse: str = "exact",
         vit_cache: bool = True,
@@ -230,8 +233,8 @@ class SAMcacheEngine:
             raise ValueError("recompute_relevance='routing' ranks compressed images' tokens by routing confidence: it "
                              "needs compression_enabled=True")
         self.recompute_relevance = recompute_relevance
-        if not isinstance(keep_image_order, bool):
-            raise TypeError(f"keep_image_order must be a bool, got {keep_image_order!r}")
+        if not (isinstance(keep_image_order, bool) or keep_image_order == "auto"):
+            raise TypeError(f"keep_image_order must be True, False or 'auto', got {keep_image_order!r}")
         self.keep_image_order = keep_image_order
         if recompute_tracks not in ("both", "heads"):
             raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
@@ -633,7 +636,22 @@ class SAMcacheEngine:
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
                               store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache,
                               compression=self.compression, relevance=self.recompute_relevance,
-                              keep_image_order=self.keep_image_order)
+                              keep_image_order=self.keeps_image_order(ratio))
+
+    def keeps_image_order(self, recompute_ratio: float | None = None) -> bool:
+        """Whether requests at ``recompute_ratio`` (default: the engine's) reuse an image's KV only
+        at its own index among the prompt's images: ``keep_image_order`` itself, or with ``"auto"``
+        what the calibration's image-order check found for the rates this engine serves at that
+        ratio (:meth:`SensitivityCurves.image_order.keeps_order`); False without one."""
+        if self.keep_image_order != "auto":
+            return self.keep_image_order
+        ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        check_fraction("recompute_ratio", ratio)
+        order = None if self.sensitivity is None else self.sensitivity.image_order
+        if order is None:
+            return False
+        uniform = self.recompute_budget == "uniform" or self.sensitivity.prefers_uniform(ratio)
+        return order.keeps_order(ratio, uniform=uniform)
 
     def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with
@@ -745,7 +763,9 @@ class SAMcacheEngine:
                 self.executor.prefix_tier.flush()
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
-                warnings.warn("no sensitivity curves for this model yet: the recompute budget is uniform across layers "
+                order = (" and (keep_image_order='auto') images are reused at any index"
+                         if self.keep_image_order == "auto" else "")
+                warnings.warn(f"no sensitivity curves for this model yet: the recompute budget is uniform across layers{order} "
                               "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3)  # chat's caller
                 self._warned_uniform = True
             return results
@@ -822,11 +842,8 @@ class SAMcacheEngine:
             raise ValueError(f"sensitivity={str(path)!r}: cannot read the curves file ({e.strerror or e})") from None
         try:
             data = json.loads(text)
-            checked = data.get("checked")
-            curves = SensitivityCurves(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]),
-                                       checked=None if checked is None else
-                                       np.asarray([[np.nan if v is None else v for v in row] for row in checked]))
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            curves = SensitivityCurves.from_dict(data)
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, AttributeError) as e:
             raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
         if data.get("model_id") not in (None, self.model_id):
             raise ValueError(f"{path} was calibrated on model {data['model_id']}, not on this one ({self.model_id}); "

@@ -14,6 +14,10 @@ The curves are then checked end to end: at each probe rate, the pairs run throug
 recompute path with the solved rates and with the same rate at every layer. The solver adds up
 losses measured one layer at a time; where layers repair together that sum misleads it, and the
 check (``SensitivityCurves.checked``) lets the engine fall back to the uniform rates there.
+The same runs, on the pairs where a reused image changed its index among the prompt's images (plus
+one at rate 0 and one at rate 1 each), count how often the reuse still picks the reference's
+confident tokens (``SensitivityCurves.image_order``, :mod:`samcache.recompute.image_order`): where
+recompute cannot repair such reuse, ``keep_image_order="auto"`` keeps images at their own index.
 
 The calibrator shares the serving engine's weights but has its own KV cache, block pool and
 stores, so calibrating never touches what the engine serves from; it works between the
@@ -26,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +47,7 @@ from samcache.eval.fidelity import reference_prefill
 from samcache.hashing import Namespace
 from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
 from samcache.recompute.budget import check_probe_rates, solve_layer_budget, tokens_per_layer
+from samcache.recompute.image_order import ImageOrderCheck, confident_agreement
 from samcache.stores import ImageKVStore, TensorStore
 
 
@@ -81,7 +86,9 @@ class Calibrator:
         model that describes the images before answering goes wrong in the description of a moved
         image, dozens of tokens in; a continuation as long as the reply scores that part too.
         ``check``: measure the solved rates against uniform ones end to end at each probe rate
-        (``SensitivityCurves.checked``; about a third more runs)."""
+        (``SensitivityCurves.checked``; about a third more runs), and on the pairs where a reused
+        image changed its index, how often the reuse keeps the reference's confident tokens
+        (``SensitivityCurves.image_order``, read by ``keep_image_order="auto"``)."""
         from samcache.engine.synthetic import screenshot
 
         rates = check_probe_rates(rates)  # before any of the L x R forward passes
@@ -111,38 +118,64 @@ class Calibrator:
     def _check(self, curves: SensitivityCurves, pairs: list[tuple[Prompt, Prompt]], continuation: int,
                progress: bool) -> SensitivityCurves:
         """``curves`` with ``checked``: the mean loss over the pairs, through the served recompute,
-        of the solved rates and of uniform ones at each probe rate strictly between 0 and 1."""
+        of the solved rates and of uniform ones at each probe rate strictly between 0 and 1; and
+        with ``image_order``: on the pairs where an image changed its index, the confident reference
+        tokens those runs kept, at those rates and at 0 and 1 too (one more run each)."""
         layers = curves.num_layers
-        checked = np.full((curves.rates.size, 2), np.nan)
+        rates = curves.rates
+        checked = np.full((rates.size, 2), np.nan)
         schedules = {}
-        for i, rate in enumerate(curves.rates):
+        for i, rate in enumerate(rates):
             if 0.0 < rate < 1.0:
                 schedules[i] = (tuple(solve_layer_budget(curves, float(rate)).rates), (float(rate),) * layers)
+        moved = {index for index, (first, reused) in enumerate(pairs) if _changes_an_index(first, reused)}
+        ends = [i for i, rate in enumerate(rates) if rate in (0.0, 1.0)]  # solved = uniform there
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(pairs) * len(schedules), desc="checking the solved rates", unit="rate")
+            bar = tqdm(total=len(pairs) * len(schedules) + len(moved) * len(ends), desc="checking the solved rates",
+                       unit="run")
         sums = np.zeros_like(checked)
+        agreed = np.zeros_like(checked)
+        confident = 0  # the references' confident tokens over the moved pairs
         for index, (first, reused) in enumerate(pairs):
+            runs = dict(schedules)
+            if index in moved:
+                runs.update({i: ((float(rates[i]),) * layers,) * 2 for i in ends})
+            if not runs:
+                continue
             with self._pair(index, first, reused, continuation) as (_, served):
-                for i, (solved, uniform) in schedules.items():
+                for i, (solved, uniform) in runs.items():
                     a = served(solved)
-                    sums[i] += (a, a if np.allclose(solved, uniform) else served(uniform))
+                    b = a if np.allclose(solved, uniform) else served(uniform)
+                    if i in schedules:
+                        sums[i] += (a.kl, b.kl)
+                    if index in moved:
+                        agreed[i] += (a.agreed, b.agreed)
                     if bar is not None:
                         bar.update(1)
+                if index in moved:
+                    confident += a.confident  # the reference's: the same in every run of this pair
         if bar is not None:
             bar.close()
         for i in schedules:
             checked[i] = sums[i] / len(pairs)
-        return SensitivityCurves(rates=curves.rates, loss=curves.loss, checked=checked)
+        image_order = None
+        if moved:
+            measured = sorted({*schedules, *ends})
+            counts = np.full_like(checked, np.nan)
+            counts[measured] = agreed[measured]
+            image_order = ImageOrderCheck(rates=rates, agreed=counts, confident=confident, pairs=len(moved))
+        return SensitivityCurves(rates=rates, loss=curves.loss, checked=checked, image_order=image_order)
 
     @contextmanager
     def _pair(self, index: int, prime: Prompt, target: Prompt, continuation: int
-              ) -> Iterator[tuple[Callable[[int, float], float], Callable[[Sequence[float]], float]]]:
+              ) -> Iterator[tuple[Callable[[int, float], float], Callable[[Sequence[float]], "_Score"]]]:
         """One (first, reused) pair set up for measuring: yields ``one_layer(layer, rate)``, the
         loss with the exact KV at that fraction of the reused tokens at that layer only, and
-        ``served(rates)``, the loss through the engine's own recompute at per-layer ``rates``."""
+        ``served(rates)``, the score (loss and confident-token agreement) through the engine's own
+        recompute at per-layer ``rates``."""
         engine = self.engine
         ns = Namespace(engine.model_id, "samcache/calibration")
         # The first showing's images stay held while the reused turn and the reference run.
@@ -179,8 +212,8 @@ class Calibrator:
             finally:
                 ex.pool.free_sequence(ref.seq)
 
-            def loss(run_options: RequestOptions, before_forward=None) -> float:
-                """The reused turn's KL against the reference, teacher-forced over the continuation."""
+            def loss(run_options: RequestOptions, before_forward=None) -> _Score:
+                """The reused turn against the reference, teacher-forced over the continuation."""
                 run = ex.prepare(target, ns, run_options)
                 try:
                     if before_forward is not None:
@@ -189,7 +222,8 @@ class Calibrator:
                     logits = _forced(ex, run.seq, first, target.next_position, tokens)
                 finally:
                     ex.pool.free_sequence(run.seq)
-                return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
+                return _Score(sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits)),
+                              *confident_agreement(ref_logits, logits))
 
             def one_layer(layer: int, rate: float) -> float:
                 k = tokens_per_layer([rate], order.size)[0]
@@ -198,14 +232,30 @@ class Calibrator:
                     slots = r.slot_tensor(ex.pool.block_table(run.seq), order[:k])
                     ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer], slots)
 
-                return loss(options, write_exact if k else None)
+                return loss(options, write_exact if k else None).kl
 
-            def served(rates: Sequence[float]) -> float:
+            def served(rates: Sequence[float]) -> _Score:
                 return loss(replace(options, budget=engine.recompute_budget_for(rates)))
 
             yield one_layer, served
         finally:
             ex.image_kv_store.clear()
+
+
+class _Score(NamedTuple):
+    """One run of a reused turn against the reference: the summed KL over the continuation, and
+    how many of the reference's confident tokens it predicted (``image_order.confident_agreement``)."""
+
+    kl: float
+    agreed: int
+    confident: int
+
+
+def _changes_an_index(first: Prompt, reused: Prompt) -> bool:
+    """Whether ``reused`` shows an image of ``first`` at another index among its images."""
+    shown = {s.image.content for s in first.images}
+    where = {(s.image.content, s.index) for s in first.images}
+    return any(s.image.content in shown and (s.image.content, s.index) not in where for s in reused.images)
 
 
 def _greedy(ex: Executor, seq: int, first: torch.Tensor, position: int, n: int,

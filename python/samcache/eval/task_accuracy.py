@@ -78,7 +78,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                     max_new_tokens: int | None = None, fidelity: bool = True, kv_cache_bytes: int = 256 << 20,
                     calibration_traces: Sequence[Sequence[Any]] | None = None,
                     track2_shares: Sequence[float] | None = None, sensitivity: Any = None,
-                    calibration_continuation: int | None = None, progress: bool = True) -> dict:
+                    calibration_continuation: int | None = None, keep_image_order: bool | str = "auto",
+                    progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
     accuracy per question type, turns after the first (the ones that can reuse), KL and greedy
@@ -93,7 +94,10 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     ``track2_shares``: a sweep of ``track2_share`` (the part of the recompute given to relevance,
     track 2) for the two-track modes at each non-zero ratio; None runs the engine's default.
     ``sensitivity``: curves (or the JSON path ``engine.calibrate(save=...)`` wrote) to use instead of
-    calibrating. The curves used come back as ``sensitivity`` (None for a uniform budget)."""
+    calibrating. The curves used come back as ``sensitivity`` (None for a uniform budget).
+    ``keep_image_order``: the engines' setting (True, False or "auto", the engine's default) in every
+    mode that does not set its own (``ordered`` keeps the order); each run records what its engine
+    did (``keeps_image_order``)."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.engine.api import CALIBRATION_CONTINUATION
@@ -110,6 +114,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         check_int("max_new_tokens", max_new_tokens, 1)
     if sensitivity is not None and calibration_traces is not None:
         raise ValueError("give sensitivity curves or calibration traces, not both")
+    if not (isinstance(keep_image_order, bool) or keep_image_order == "auto"):
+        raise ValueError(f"keep_image_order must be True, False or 'auto', got {keep_image_order!r}")
     if calibration_continuation is not None:
         check_int("calibration_continuation", calibration_continuation, 1)
     elif calibration_traces is not None:
@@ -121,7 +127,9 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
             for s in (shares if _two_track(m) and r else [None])]
     curves = shared.sensitivity  # given (and checked against the model), else calibrated below
-    if curves is None and calibrate and any(MODES[m].layer_aware for m, _, _ in runs):
+    base = {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared,
+            "keep_image_order": keep_image_order}
+    if curves is None and calibrate and any(MODES[m].reads_curves for m, _, _ in runs):
         requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
         curves = shared.calibrate(requests=requests, continuation=calibration_continuation, progress=progress)
     bar = None
@@ -131,13 +139,14 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         bar = tqdm(total=len(runs) * sum(len(t) for t in traces), desc="samcache eval", unit="turn")
     results = []
     for mode, ratio, share in runs:
-        kw = mode_engine_kwargs(mode, ratio, curves,
-                                {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared})
+        kw = mode_engine_kwargs(mode, ratio, curves, base)
         if share is not None:
             kw["track2_share"] = share
         turns = []
+        keeps_order = None
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
+            keeps_order = engine.keeps_image_order() if engine.use_image_kv else None
             moved = reordered_turns(trace)
             for index, turn in enumerate(trace):
                 r = engine.chat(messages=turn.messages, max_new_tokens=max_new_tokens or turn.max_new_tokens,
@@ -153,7 +162,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                               "kl": None if f is None else f.kl, "greedy_agree": None if f is None else f.greedy_agree})
                 if bar is not None:
                     bar.update(1)
-        results.append({"mode": mode, "recompute": ratio, "track2_share": share, **_summary(turns), "turns": turns})
+        results.append({"mode": mode, "recompute": ratio, "track2_share": share, "keeps_image_order": keeps_order,
+                        **_summary(turns), "turns": turns})
     # The curves travel with the results: they say where the layer-aware budget spent its rates.
     used = None if curves is None else curves.to_dict(shared.model_id)
     return {"model": str(model_path), "traces": len(traces), "sensitivity": used, "runs": results}

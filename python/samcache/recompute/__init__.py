@@ -7,6 +7,7 @@ from samcache.recompute.budget import (
     solve_layer_budget,
     uniform_layer_budget,
 )
+from samcache.recompute.image_order import ImageOrderCheck
 from samcache.recompute.selection import (
     RecomputePlan,
     ReusedSpan,
@@ -17,6 +18,7 @@ from samcache.recompute.selection import (
 )
 
 __all__ = [
+    "ImageOrderCheck",
     "LayerBudget",
     "RecomputePlan",
     "ReusedSpan",

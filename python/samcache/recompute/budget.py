@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from samcache.recompute.image_order import ImageOrderCheck
+
 
 def check_probe_rates(rates: Sequence[float]) -> np.ndarray:
     """``rates`` as a probe grid: a non-empty 1-D float64 array from 0, strictly increasing, <= 1."""
@@ -47,11 +49,16 @@ class SensitivityCurves:
     adds up per-layer losses measured one layer at a time, and a model whose layers repair
     together (recomputing one deep layer alone can make things worse) breaks that sum. Where
     the check found the uniform rates better, :meth:`prefers_uniform` says so and the engine
-    uses them."""
+    uses them.
+
+    ``image_order`` (optional): on the calibration pairs where a reused image changed its index,
+    how often the served reuse kept the reference's confident tokens at each probe rate
+    (:class:`~samcache.recompute.image_order.ImageOrderCheck`); ``keep_image_order="auto"`` reads it."""
 
     rates: np.ndarray
     loss: np.ndarray
     checked: np.ndarray | None = None
+    image_order: ImageOrderCheck | None = None
 
     def __post_init__(self) -> None:
         rates = check_probe_rates(self.rates)
@@ -70,13 +77,30 @@ class SensitivityCurves:
             if np.any(np.isinf(checked)):
                 raise ValueError("checked losses must be finite or NaN (not measured)")
             object.__setattr__(self, "checked", checked)
+        if self.image_order is not None:
+            if not isinstance(self.image_order, ImageOrderCheck):
+                raise TypeError(f"image_order must be an ImageOrderCheck or None, got {type(self.image_order).__name__}")
+            if not np.array_equal(self.image_order.rates, rates):
+                raise ValueError("image_order was measured at other probe rates than the curves")
 
     def to_dict(self, model_id: str | None = None) -> dict:
         """JSON-ready (NaN as None), as ``engine.calibrate(save=...)`` writes and ``sensitivity=path`` reads."""
         out = {"model_id": model_id, "rates": self.rates.tolist(), "loss": self.loss.tolist()}
         if self.checked is not None:
             out["checked"] = [[None if np.isnan(v) else float(v) for v in row] for row in self.checked]
+        if self.image_order is not None:
+            out["image_order"] = self.image_order.to_dict()
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SensitivityCurves":
+        """The curves :meth:`to_dict` wrote (its ``model_id`` is the caller's to check)."""
+        checked = data.get("checked")
+        order = data.get("image_order")
+        return cls(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]),
+                   checked=None if checked is None else np.asarray([[np.nan if v is None else v for v in row]
+                                                                    for row in checked], dtype=np.float64),
+                   image_order=None if order is None else ImageOrderCheck.from_dict(order))
 
     def prefers_uniform(self, total_rate: float) -> bool:
         """Whether the end-to-end check found the same rate at every layer better than the solved
