@@ -100,13 +100,12 @@ def confident_agreement(reference: list, logits: list) -> tuple[int, int]:
 
     if len(reference) != len(logits):
         raise ValueError(f"reference and logits must cover the same tokens, got {len(reference)} and {len(logits)}")
-    agreed = counted = 0
-    for ref, got in zip(reference, logits):
-        top = torch.softmax(ref.double(), dim=-1).max()
-        if float(top) >= CONFIDENT_PROBABILITY:
-            counted += 1
-            agreed += int(int(ref.argmax()) == int(got.argmax()))
-    return agreed, counted
+    if not reference:
+        return 0, 0
+    ref, got = torch.stack(list(reference)).double(), torch.stack(list(logits))
+    confident = torch.softmax(ref, dim=-1).amax(dim=-1) >= CONFIDENT_PROBABILITY
+    same = ref.argmax(dim=-1) == got.argmax(dim=-1)
+    return int((same & confident).sum()), int(confident.sum())
 
 
 __all__ = ["AGREEMENT_BAR", "CONFIDENT_PROBABILITY", "ImageOrderCheck", "MIN_CONFIDENT_TOKENS", "confident_agreement"]
