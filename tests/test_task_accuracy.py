@@ -69,13 +69,19 @@ def test_calibration_pairs_are_consecutive_turns_that_reuse_an_image():
 
 @pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["vllm"]),
                                  dict(traces=[]), dict(max_new_tokens=0), dict(track2_shares=[1.5]),
-                                 dict(track2_shares="half"), dict(track2_shares=[]), dict(keep_image_order="yes")])
+                                 dict(track2_shares="half"), dict(track2_shares=[])])
 def test_refuses_bad_arguments(model, bad):
     kwargs = dict(traces=[visual_qa.trace(1, scenario="gui", turns=1, window=1)], modes=["samcache"], calibrate=False,
                   progress=False)
     kwargs.update(bad)
     with pytest.raises(ValueError):
         evaluate_traces(model, **kwargs)
+
+
+def test_refuses_a_bad_keep_image_order_before_any_run(model):
+    with pytest.raises(TypeError, match="keep_image_order must be True, False or 'auto'"):
+        evaluate_traces(model, [visual_qa.trace(1, scenario="gui", turns=1, window=1)], modes=["samcache"],
+                        keep_image_order="yes", progress=False)
 
 
 def test_track2_share_sweep_runs_each_share_of_the_two_track_modes(model, monkeypatch):

@@ -212,18 +212,20 @@ class Calibrator:
             finally:
                 ex.pool.free_sequence(ref.seq)
 
-            def loss(run_options: RequestOptions, before_forward=None) -> _Score:
-                """The reused turn against the reference, teacher-forced over the continuation."""
+            def reused_logits(run_options: RequestOptions, before_forward=None) -> list[torch.Tensor]:
+                """The reused turn's logits, teacher-forced with the reference's continuation."""
                 run = ex.prepare(target, ns, run_options)
                 try:
                     if before_forward is not None:
                         before_forward(run)
                     first = ex.forward([run.step])[0]
-                    logits = _forced(ex, run.seq, first, target.next_position, tokens)
+                    return _forced(ex, run.seq, first, target.next_position, tokens)
                 finally:
                     ex.pool.free_sequence(run.seq)
-                return _Score(sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits)),
-                              *confident_agreement(ref_logits, logits))
+
+            def loss(logits: list[torch.Tensor]) -> float:
+                """The KL against the reference, summed over the continuation."""
+                return sum(next_token_fidelity(a, b)[0] for a, b in zip(ref_logits, logits))
 
             def one_layer(layer: int, rate: float) -> float:
                 k = tokens_per_layer([rate], order.size)[0]
@@ -232,10 +234,11 @@ class Calibrator:
                     slots = r.slot_tensor(ex.pool.block_table(run.seq), order[:k])
                     ops.paged_write(exact_k[layer, :k], exact_v[layer, :k], r.k_cache[layer], r.v_cache[layer], slots)
 
-                return loss(options, write_exact if k else None).kl
+                return loss(reused_logits(options, write_exact if k else None))
 
             def served(rates: Sequence[float]) -> _Score:
-                return loss(replace(options, budget=engine.recompute_budget_for(rates)))
+                logits = reused_logits(replace(options, budget=engine.recompute_budget_for(rates)))
+                return _Score(loss(logits), *confident_agreement(ref_logits, logits))
 
             yield one_layer, served
         finally:

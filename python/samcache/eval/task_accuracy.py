@@ -114,15 +114,15 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
         check_int("max_new_tokens", max_new_tokens, 1)
     if sensitivity is not None and calibration_traces is not None:
         raise ValueError("give sensitivity curves or calibration traces, not both")
-    if not (isinstance(keep_image_order, bool) or keep_image_order == "auto"):
-        raise ValueError(f"keep_image_order must be True, False or 'auto', got {keep_image_order!r}")
     if calibration_continuation is not None:
         check_int("calibration_continuation", calibration_continuation, 1)
     elif calibration_traces is not None:
         calibration_continuation = max(t.max_new_tokens for trace in calibration_traces for t in trace)
     else:
         calibration_continuation = CALIBRATION_CONTINUATION
-    shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity)
+    # keep_image_order is checked here, by the engine, before any run.
+    shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity,
+                            keep_image_order=keep_image_order)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
     runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
             for s in (shares if _two_track(m) and r else [None])]

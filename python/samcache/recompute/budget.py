@@ -23,19 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from samcache.recompute.image_order import ImageOrderCheck
-
-
-def check_probe_rates(rates: Sequence[float]) -> np.ndarray:
-    """``rates`` as a probe grid: a non-empty 1-D float64 array from 0, strictly increasing, <= 1."""
-    try:
-        rates = np.asarray(rates, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"rates must be a sequence of numbers, got {rates!r}") from None
-    if rates.ndim != 1 or rates.size < 1:
-        raise ValueError("rates must be a non-empty 1-D sequence")
-    if rates[0] != 0.0 or np.any(np.diff(rates) <= 0) or rates[-1] > 1.0:
-        raise ValueError(f"rates must start at 0, strictly increase and stay <= 1, got {rates.tolist()}")
-    return rates
+from samcache.recompute.probe_grid import check_probe_rates, nearest_measured, rows_from_json, rows_to_json
 
 
 @dataclass(frozen=True)
@@ -87,7 +75,7 @@ class SensitivityCurves:
         """JSON-ready (NaN as None), as ``engine.calibrate(save=...)`` writes and ``sensitivity=path`` reads."""
         out = {"model_id": model_id, "rates": self.rates.tolist(), "loss": self.loss.tolist()}
         if self.checked is not None:
-            out["checked"] = [[None if np.isnan(v) else float(v) for v in row] for row in self.checked]
+            out["checked"] = rows_to_json(self.checked)
         if self.image_order is not None:
             out["image_order"] = self.image_order.to_dict()
         return out
@@ -98,8 +86,7 @@ class SensitivityCurves:
         checked = data.get("checked")
         order = data.get("image_order")
         return cls(rates=np.asarray(data["rates"]), loss=np.asarray(data["loss"]),
-                   checked=None if checked is None else np.asarray([[np.nan if v is None else v for v in row]
-                                                                    for row in checked], dtype=np.float64),
+                   checked=None if checked is None else rows_from_json(checked),
                    image_order=None if order is None else ImageOrderCheck.from_dict(order))
 
     def prefers_uniform(self, total_rate: float) -> bool:
@@ -109,11 +96,8 @@ class SensitivityCurves:
             raise ValueError(f"total_rate must be a number in [0, 1], got {total_rate!r}")
         if self.checked is None:
             return False
-        measured = np.flatnonzero(~np.isnan(self.checked).any(axis=1))
-        if measured.size == 0:
-            return False
-        i = measured[np.argmin(np.abs(self.rates[measured] - total_rate))]
-        return bool(self.checked[i, 1] < self.checked[i, 0])
+        i = nearest_measured(self.rates, ~np.isnan(self.checked).any(axis=1), total_rate)
+        return i is not None and bool(self.checked[i, 1] < self.checked[i, 0])
 
     @property
     def num_layers(self) -> int:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from samcache.recompute.probe_grid import check_probe_rates, nearest_measured, rows_from_json, rows_to_json
+
 #: A reference token counts as evidence when the full prefill gave it at least this probability.
 CONFIDENT_PROBABILITY = 0.5
 
@@ -46,10 +48,8 @@ class ImageOrderCheck:
     pairs: int
 
     def __post_init__(self) -> None:
-        rates = np.asarray(self.rates, dtype=np.float64)
+        rates = check_probe_rates(self.rates)
         agreed = np.asarray(self.agreed, dtype=np.float64)
-        if rates.ndim != 1 or rates.size < 1:
-            raise ValueError("rates must be a non-empty 1-D sequence")
         if agreed.shape != (rates.size, 2):
             raise ValueError(f"agreed must be [{rates.size}, 2] (solved, uniform per probe rate), got shape {agreed.shape}")
         for name in ("confident", "pairs"):
@@ -70,10 +70,9 @@ class ImageOrderCheck:
         if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0):
             raise ValueError(f"rate must be a number in [0, 1], got {rate!r}")
         column = self.agreed[:, 1 if uniform else 0]
-        measured = np.flatnonzero(~np.isnan(column))
-        if measured.size == 0 or self.confident == 0:
+        i = nearest_measured(self.rates, ~np.isnan(column), rate)
+        if i is None or self.confident == 0:
             return None
-        i = measured[np.argmin(np.abs(self.rates[measured] - rate))]
         return float(column[i] / self.confident)
 
     def keeps_order(self, rate: float, uniform: bool = False) -> bool:
@@ -85,12 +84,11 @@ class ImageOrderCheck:
     def to_dict(self) -> dict:
         """JSON-ready (NaN as None)."""
         return {"rates": self.rates.tolist(), "confident": self.confident, "pairs": self.pairs,
-                "agreed": [[None if np.isnan(v) else float(v) for v in row] for row in self.agreed]}
+                "agreed": rows_to_json(self.agreed)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ImageOrderCheck":
-        agreed = np.asarray([[np.nan if v is None else v for v in row] for row in data["agreed"]], dtype=np.float64)
-        return cls(rates=np.asarray(data["rates"]), agreed=agreed, confident=data["confident"], pairs=data["pairs"])
+        return cls(rates=np.asarray(data["rates"]), agreed=rows_from_json(data["agreed"]), confident=data["confident"], pairs=data["pairs"])
 
 
 def confident_agreement(reference: list, logits: list) -> tuple[int, int]:
