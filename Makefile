@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu gpu-install gpu-kernels gpu-7b gpu-7b-engine gpu-7b-gui clean
+.PHONY: test demo install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -18,7 +18,7 @@ venv: .venv/.ready
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
 	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
-	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5"
+	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5" "triton==3.6.0"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
 
@@ -148,55 +148,22 @@ demo: install
 	$(PY) -m samcache bench --scenario gui --turns 10 --window 3 --modes prefix,samcache --no-fidelity --quiet \
 	  --preset small --out bench/out/demo-gui
 
-# For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages the one
-# build inputs it lacks (xxhash.h, the nvidia-cutlass wheel) in .gpu/ (git-ignored; carry it), then `make gpu` there builds
-# against that machine's torch (no C++ tests: no GoogleTest there), runs every CUDA test and the
-# kernel benchmarks with --device cuda (gpu-kernels), then the engine and gui benchmark on the
-# real 7B configuration (gpu-7b). Results go to $(OUT) when it is set.
+# For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages what its
+# image lacks in .gpu/ (git-ignored; the device call carries it): wheels for its Python (3.12,
+# manylinux x86-64) and xxhash.h. `make gpu` there builds samcache with its CUDA kernels against
+# that machine's torch, runs every CUDA test file in its own process, the kernel benchmarks and the
+# engine on a 7B-size checkpoint built on the GPU, in one run of a few minutes (bench/gpu_run.sh):
+# $(OUT)/summary.md and $(OUT)/results.tgz.
+GPU_WHEELS := transformers==5.23.0 zstandard==0.25.0 nvidia-cutlass==4.2.0.0
 gpu-prep: sysdeps venv
-	mkdir -p .gpu/include && cp /usr/include/xxhash.h .gpu/include/
-	$(PY) -m pip download -q --no-deps -d .gpu nvidia-cutlass==4.2.0.0
-	@# The engine's Python dependencies, for a device image that lacks them (installed offline there).
-	$(PY) -m pip download -q -d .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
+	rm -rf .gpu && mkdir -p .gpu/include .gpu/wheels && cp /usr/include/xxhash.h .gpu/include/
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+	  -d .gpu/wheels $(GPU_WHEELS)
+	@du -sh .gpu
 
-GPU_PY ?= python3
-GPU_7B ?= /tmp/samcache-qwen2.5-vl-7b
-# One device call each (10 minutes at most a call): `make gpu` = gpu-kernels then gpu-7b.
-gpu: gpu-kernels gpu-7b
-
-gpu-install:
-	$(GPU_PY) -m pip install -q --no-deps .gpu/nvidia_cutlass-*.whl
-	$(GPU_PY) -c "import transformers, tokenizers, safetensors, xxhash" 2>/dev/null || \
-	  $(GPU_PY) -m pip install -q --no-index --find-links .gpu/wheels "transformers==5.23.0" tokenizers safetensors xxhash
-	SAMCACHE_CUDA=on SAMCACHE_XXHASH_INCLUDE=$(CURDIR)/.gpu/include \
-	  $(GPU_PY) -m pip install -q --no-build-isolation --no-deps .
-
-gpu-kernels: gpu-install
-	cd tests && $(GPU_PY) -m pytest -q -m cuda . 2>&1 | tee $${OUT:-/tmp}/gpu-tests.txt
-	for b in paged_kv rope kv_quant token_merge sparse_attention; do \
-	  $(GPU_PY) bench/bench_$$b.py --device cuda 2>&1 | tee $${OUT:-/tmp}/gpu-bench-$$b.txt; done
-	$(GPU_PY) bench/bench_engine.py --device cuda --dtype bfloat16 --reps 5 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-tiny.txt
-	$(GPU_PY) -m samcache bench --scenario gui --device cuda --modes baseline,prefix,samcache,new-only --quiet \
-	  --out $${OUT:-/tmp}/gpu-gui-tiny 2>&1 | tail -12
-
-# The real Qwen2.5-VL-7B configuration with random bf16 weights, built once (minutes, ~16 GB)
-# into a temporary folder and moved into place, so a call killed mid-build leaves nothing that
-# looks finished. Then the engine bench and a 12-turn gui run on it: each its own call if need be.
-$(GPU_7B)/config.json:
-	rm -rf $(GPU_7B).tmp
-	$(GPU_PY) -c "from samcache.models import build_preset; \
-	  build_preset('qwen2_5_vl', 'qwen2.5-vl-7b', '$(GPU_7B).tmp', dtype='bfloat16')"
-	rm -rf $(GPU_7B) && mv $(GPU_7B).tmp $(GPU_7B)
-
-gpu-7b: gpu-7b-engine gpu-7b-gui
-
-gpu-7b-engine: gpu-install $(GPU_7B)/config.json
-	$(GPU_PY) bench/bench_engine.py --device cuda --model $(GPU_7B) --dtype bfloat16 --reps 3 --no-calibrate \
-	  --sweep 0 0.05 1 --kv-cache-mib 16384 2>&1 | tee $${OUT:-/tmp}/gpu-bench-engine-7b.txt
-
-gpu-7b-gui: gpu-install $(GPU_7B)/config.json
-	$(GPU_PY) -m samcache bench --scenario gui --device cuda --model $(GPU_7B) --turns 12 \
-	  --modes baseline,prefix,samcache,new-only --kv-cache-mib 8192 --quiet --out $${OUT:-/tmp}/gpu-gui-7b 2>&1 | tail -12
+gpu:
+	bash bench/gpu_run.sh
 
 clean:
 	rm -rf build .venv .venv-vllm .venv-sglang

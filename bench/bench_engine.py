@@ -39,6 +39,20 @@ from samcache.eval import reference_prefill
 from samcache.hashing import Namespace
 from samcache.models import PRESETS, build_preset
 
+def bf16_peak_tflops(n: int = 8192, reps: int = 10) -> float:
+    """The measured bf16 matmul rate (TFLOP/s) of this GPU: an n^3 product on random data."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
 def conversation(system: str, images, question: str):
     return [{"role": "system", "content": system}, user_message(images, question)]
 
@@ -100,11 +114,23 @@ def run(args) -> dict:
             "recomputed_tokens": ms[0].recomputed_tokens,
             "vit_calls": ms[0].vit_calls,
         }
+    # Prefix mode's arithmetic rate: it prefills every token after the (short) exact prefix, so
+    # its TTFT is dense prefill of the language model: GEMMs 2 x weights x rows, attention
+    # 4 x heads x head_dim x visible keys per row, every layer (the ViT output is cached).
+    runner = engines["prefix"].runner
+    weights = sum(p.numel() for layer in runner.layers for p in layer.parameters())
+    row = table["prefix"]
+    first = row["prompt_tokens"] - row["prefilled_tokens"]
+    keys = sum(range(first + 1, row["prompt_tokens"] + 1))
+    flops = 2 * weights * row["prefilled_tokens"] + 4 * runner.num_heads * runner.head_dim * runner.num_layers * keys
+    row["tflops"] = flops / (row["ttft_ms_median"] / 1e3) / 1e12
+    if args.device == "cuda":
+        row["of_bf16_peak"] = row["tflops"] / bf16_peak_tflops()
     out = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "date": time.strftime("%Y-%m-%d"),
         "family": sam.family.name,
-        "preset": args.preset,
+        "preset": pathlib.Path(args.model).name if args.model else args.preset,
         "dtype": str(sam.dtype),
         "images": f"{args.images} x {w}x{h}",
         "recompute": args.recompute,
@@ -156,6 +182,9 @@ def main(argv=None) -> None:
         print(f"{name:<10}{row['ttft_ms_median']:>10.1f} ms{row['ttft_ms_min']:>8.1f} ms{row['prompt_tokens']:>8}"
               f"{row['prefilled_tokens']:>11}{row['prefix_reused_tokens']:>8}{row['image_reused_tokens']:>10}"
               f"{row['recomputed_tokens']:>8}{row['vit_calls']:>5}")
+    prefix = out["modes"]["prefix"]
+    print(f"prefix mode: {prefix['tflops']:.0f} TFLOP/s"
+          + (f" = {prefix['of_bf16_peak']:.0%} of the bf16 matmul peak measured here" if "of_bf16_peak" in prefix else ""))
     f = out["fidelity"]
     print(f"samcache TTFT: {out['speedup_vs_full']:.1f}x lower than full prefill, {out['speedup_vs_prefix']:.1f}x lower "
           f"than prefix+ViT caching; per-layer recompute rates {[round(r, 3) for r in out['recompute_rates']]}")

@@ -2,8 +2,11 @@
 
 The baseline, measured in the same run: gather the blocks, amax, divide, clamp, then
 .to(float8_e4m3fn) or round().to(int8); and for the way back q.float() * scale written with
-index_put_. On CUDA the table adds GB/s (bytes read + written) and the ratio to a large
-device-to-device copy. Usage: python bench/bench_kv_quant.py [--device cuda] [--quick]
+index_put_. "ms" columns are wall time per call (best of back-to-back calls, GPU synchronised
+around them). On CUDA the table adds the median device time of one call between CUDA events
+(bench/timing.py device_seconds: the host's launch overhead not counted), and the GB/s (bytes read
++ written) and ratio to a large device-to-device copy computed from it.
+Usage: python bench/bench_kv_quant.py [--device cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import samcache  # noqa: F401  (loads the ops)
 from samcache.ops import dequantize_kv_blocks, quantize_kv_blocks
 from samcache.ops.kv_quant import QMAX, QTYPES
 
-from timing import best_seconds, copy_bandwidth  # bench/timing.py
+from timing import best_seconds, copy_bandwidth, device_seconds  # bench/timing.py
 
 
 def torch_quantize(cache, ids, qtype, per_head):
@@ -48,8 +51,14 @@ def main() -> None:
     where = torch.cuda.get_device_name() if dev == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"kv_quant on {where}: cache [{num_blocks}, {block_size}, {heads}, {head_dim}], {n} blocks per call; "
           f"copy ceiling {ceiling:.1f} GB/s\n")
-    print("| op | dtype | qtype | scales | samcache ms | torch ms | speed-up | GB/s | of copy |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    cuda = dev == "cuda"
+    head = "| op | dtype | qtype | scales | samcache ms | torch ms | speed-up | GB/s | of copy |"
+    rule = "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    if cuda:
+        head += " samcache device ms | torch device ms | device GB/s | device of copy |"
+        rule += " ---: | ---: | ---: | ---: |"
+    print(head)
+    print(rule)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         cache = torch.randn(num_blocks, block_size, heads, head_dim, device=dev).to(dtype)
         ids = torch.randperm(num_blocks, device="cpu")[:n]
@@ -59,18 +68,24 @@ def main() -> None:
             for per_head in (False, True):
                 q, s = quantize_kv_blocks(cache, ids, qtype, per_head)
                 moved_q = n * block_bytes + q.numel() + s.numel() * 4  # read the blocks, write q and scales
-                t_ours = best_seconds(lambda: quantize_kv_blocks(cache, ids, qtype, per_head), dev, reps)
-                t_torch = best_seconds(lambda: torch_quantize(cache, dev_ids, qtype, per_head), dev, reps)
-                rows = [("quantize", t_ours, t_torch, moved_q)]
                 out = cache.clone()
-                t_ours = best_seconds(lambda: dequantize_kv_blocks(q, s, out, ids), dev, reps)
-                t_torch = best_seconds(lambda: torch_dequantize(q, s, out, dev_ids, per_head), dev, reps)
-                rows.append(("dequantize", t_ours, t_torch, moved_q))
-                for name, ours, base, moved in rows:
-                    gbs = moved / ours / 1e9
-                    print(f"| {name} | {str(dtype)[6:]} | {qtype} | {'head' if per_head else 'block'} | "
-                          f"{ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.2f}x | {gbs:.1f} | {gbs / ceiling:.0%} |")
-
+                rows = [
+                    ("quantize", lambda: quantize_kv_blocks(cache, ids, qtype, per_head),
+                     lambda: torch_quantize(cache, dev_ids, qtype, per_head)),
+                    ("dequantize", lambda: dequantize_kv_blocks(q, s, out, ids),
+                     lambda: torch_dequantize(q, s, out, dev_ids, per_head)),
+                ]
+                for name, ours_fn, torch_fn in rows:
+                    ours = best_seconds(ours_fn, dev, reps)
+                    base = best_seconds(torch_fn, dev, reps)
+                    gbs = moved_q / ours / 1e9
+                    line = (f"| {name} | {str(dtype)[6:]} | {qtype} | {'head' if per_head else 'block'} | "
+                            f"{ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.2f}x | {gbs:.1f} | {gbs / ceiling:.0%} |")
+                    if cuda:
+                        d_ours, d_base = device_seconds(ours_fn, 2 * reps), device_seconds(torch_fn, reps)
+                        d_gbs = moved_q / d_ours / 1e9
+                        line += f" {d_ours * 1e3:.3f} | {d_base * 1e3:.3f} | {d_gbs:.0f} | {d_gbs / ceiling:.0%} |"
+                    print(line, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,24 +1,31 @@
 """Benchmark of paged_write / paged_gather / swap_blocks against the same copies composed from torch ops.
 
     .venv/bin/python bench/bench_paged_kv.py                 # CPU
-    .venv/bin/python bench/bench_paged_kv.py --device cuda   # GPU: adds GB/s and the copy ceiling
+    .venv/bin/python bench/bench_paged_kv.py --device cuda   # GPU: adds device time, GB/s and the copy ceiling
 
-Each row times both versions in the same run (warm-up, then the best of --repeat runs) and prints
-a markdown table; "speed-up" is torch time / samcache time. GB/s counts bytes read + written; the
-ceiling is a measured large copy of the same kind (device->device `x.copy_(y)` of ~1 GiB, or
-device<->pinned host for the tiering swaps), also counted as read + written.
+Each row times both versions in the same run and prints a markdown table. "wall" is the best
+per-call time of back-to-back calls with the GPU synchronised around them (host overhead
+included); "speed-up" is torch / samcache wall time. On CUDA, "device" is the median GPU time of
+one call between CUDA events, with the stream kept busy while the host queues the calls
+(bench/timing.py device_seconds), and GB/s (bytes read + written) and "of ceiling" come from it;
+the ceiling is a measured large copy of the same kind (device->device `x.copy_(y)` of ~1 GiB, or
+device<->pinned host for the tiering swaps), also counted as read + written. swap_blocks rows
+also show the path it took and, for comparison, the other path forced (SAMCACHE_SWAP_BLOCKS).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import time
 
 import torch
 
 import samcache  # noqa: F401  (loads the ops)
 from samcache.ops import paged_gather, paged_write, swap_blocks
 
-from timing import best_seconds  # bench/timing.py
+from timing import best_seconds, device_seconds  # bench/timing.py
 
 
 def copy_ceiling(kind: str, repeat: int) -> float:
@@ -33,7 +40,7 @@ def copy_ceiling(kind: str, repeat: int) -> float:
 
 
 def cases(device: str, dtype: torch.dtype, quick: bool):
-    """(op, case, samcache fn, torch fn, bytes read + written, ceiling kind) for each row."""
+    """(op, case, samcache fn, torch fn, bytes read + written, ceiling kind, swap path) for each row."""
     g = torch.Generator().manual_seed(0)
     heads, dim, block_size = 8, 128, 16
     num_blocks = 512 if quick else 2048
@@ -61,7 +68,7 @@ def cases(device: str, dtype: torch.dtype, quick: bool):
             flat_k.index_copy_(0, slots, key)
             flat_v.index_copy_(0, slots, value)
 
-        yield "paged_write", label, ours, composed, 2 * 2 * n * row_bytes, "d2d"
+        yield "paged_write", label, ours, composed, 2 * 2 * n * row_bytes, "d2d", None
 
     for label, n in [("512 tokens", 512), ("8192 tokens", 8192)]:
         table = torch.randperm(num_blocks, generator=g)[: -(-n // block_size)].to(torch.int32)
@@ -74,24 +81,26 @@ def cases(device: str, dtype: torch.dtype, quick: bool):
             key_cache[table_long].flatten(0, 1)[:n]
             value_cache[table_long].flatten(0, 1)[:n]
 
-        yield "paged_gather", label + " (CPU table)", ours, composed, 2 * 2 * n * row_bytes, "d2d"
+        yield "paged_gather", label + " (CPU table)", ours, composed, 2 * 2 * n * row_bytes, "d2d", None
 
     host_kinds = [("cpu", "cpu", "d2d")] if device == "cpu" else [
         ("cuda", "cuda", "d2d"), ("cuda", "pinned", "d2h"), ("pinned", "cuda", "h2d")]
+    layouts = ["scattered", "runs of 16"] + ([] if device == "cpu" else ["runs of 64"])
     for src_kind, dst_kind, ceiling in host_kinds:
         def make(kind, blocks):
             t = torch.randn((blocks, *shape[1:]), generator=g).to(dtype)
             return t.pin_memory() if kind == "pinned" else t.to(kind)
 
         src, dst = make(src_kind, num_blocks), make(dst_kind, num_blocks)
-        for layout in ["scattered", "runs of 16"]:
+        for layout in layouts:
             n = 256
             if layout == "scattered":
                 pairs = torch.stack([torch.randperm(num_blocks, generator=g)[:n], torch.randperm(num_blocks, generator=g)[:n]], 1)
             else:
-                starts_s = torch.randperm(num_blocks // 16, generator=g)[: n // 16] * 16
-                starts_d = torch.randperm(num_blocks // 16, generator=g)[: n // 16] * 16
-                pairs = torch.stack([(starts_s[:, None] + torch.arange(16)).flatten(), (starts_d[:, None] + torch.arange(16)).flatten()], 1)
+                run = int(layout.split()[-1])
+                starts_s = torch.randperm(num_blocks // run, generator=g)[: n // run] * run
+                starts_d = torch.randperm(num_blocks // run, generator=g)[: n // run] * run
+                pairs = torch.stack([(starts_s[:, None] + torch.arange(run)).flatten(), (starts_d[:, None] + torch.arange(run)).flatten()], 1)
             src_ids, dst_ids = pairs[:, 0].to(src.device), pairs[:, 1].to(dst.device)
 
             def ours(src=src, dst=dst, pairs=pairs):
@@ -101,7 +110,44 @@ def cases(device: str, dtype: torch.dtype, quick: bool):
                 dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=True)
 
             label = f"{src_kind}->{dst_kind}, {n} blocks {layout}"
-            yield "swap_blocks", label, ours, composed, 2 * n * block_bytes, ceiling
+            if device == "cpu":
+                yield "swap_blocks", label, ours, composed, 2 * n * block_bytes, ceiling, None
+                continue
+            # The path the op picks (kernel unless a host side has runs of >= 1 MiB), then the other one.
+            run_bytes = block_bytes * (1 if layout == "scattered" else int(layout.split()[-1]))
+            auto = "memcpy" if "cpu" in (src.device.type, dst.device.type) and run_bytes >= 1 << 20 else "kernel"
+            other = "memcpy" if auto == "kernel" else "kernel"
+            yield "swap_blocks", label, ours, composed, 2 * n * block_bytes, ceiling, f"{auto} (auto)"
+            yield "swap_blocks", label, ours, None, 2 * n * block_bytes, ceiling, other
+
+
+@contextlib.contextmanager
+def swap_path(path):
+    """SAMCACHE_SWAP_BLOCKS=<path> for a forced row, unset for the op's own choice."""
+    old = os.environ.pop("SAMCACHE_SWAP_BLOCKS", None)
+    if path is not None and "(auto)" not in path:
+        os.environ["SAMCACHE_SWAP_BLOCKS"] = path
+    try:
+        yield
+    finally:
+        os.environ.pop("SAMCACHE_SWAP_BLOCKS", None)
+        if old is not None:
+            os.environ["SAMCACHE_SWAP_BLOCKS"] = old
+
+
+def wall_seconds(fn, device: str, repeat: int) -> float:
+    """CPU: best of `repeat` timings of 3 calls. GPU: enough back-to-back calls per timing for ~2 ms
+    (fewer timings for calls over 1 ms), so a 4 µs copy is not timed against a synchronisation."""
+    if device == "cpu":
+        return best_seconds(fn, device, repeat, warmup=3, inner=3)
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    inner = max(1, min(20, int(2e-3 / max(one, 1e-7))))
+    return best_seconds(fn, device, repeat if one < 1e-3 else min(repeat, 5), warmup=2, inner=inner)
 
 
 def main() -> None:
@@ -123,24 +169,32 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     if cuda:
         print("copy ceilings (GB/s, read + written): " + ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items()))
-    head = "| op | case | samcache µs | torch µs | speed-up |"
+    head = "| op | case | samcache wall µs | torch wall µs | speed-up |"
     rule = "| --- | --- | ---: | ---: | ---: |"
     if cuda:
-        head += " samcache GB/s | of copy ceiling |"
-        rule += " ---: | ---: |"
+        head += " samcache device µs | torch device µs | samcache GB/s | of copy ceiling |"
+        rule += " ---: | ---: | ---: | ---: |"
     print()
     print(head)
     print(rule)
-    for op, label, ours, composed, nbytes, ceiling in cases(args.device, dtype, args.quick):
-        inner = 20 if cuda else 3
-        t_ours = best_seconds(ours, args.device, repeat, warmup=3, inner=inner)
-        t_torch = best_seconds(composed, args.device, repeat, warmup=3, inner=inner)
-        line = f"| {op} | {label} | {t_ours * 1e6:.1f} | {t_torch * 1e6:.1f} | {t_torch / t_ours:.2f}x |"
+    torch_times: dict[str, tuple[float, float]] = {}
+    for op, label, ours, composed, nbytes, ceiling, path in cases(args.device, dtype, args.quick):
+        key = f"{op} {label}"
+        if composed is not None:  # the torch version once per case (forced-path rows reuse it)
+            t_torch = wall_seconds(composed, args.device, repeat)
+            d_torch = device_seconds(composed, 10 if t_torch > 1e-3 else 50) if cuda else 0.0
+            torch_times[key] = (t_torch, d_torch)
+        t_torch, d_torch = torch_times[key]
+        with swap_path(path):
+            t_ours = wall_seconds(ours, args.device, repeat)
+            d_ours = device_seconds(ours, 10 if t_ours > 1e-3 else 50) if cuda else 0.0
+        case = label if path is None else f"{label}, {path}"
+        line = f"| {op} | {case} | {t_ours * 1e6:.1f} | {t_torch * 1e6:.1f} | {t_torch / t_ours:.2f}x |"
         if cuda:
-            gbs = nbytes / t_ours / 1e9
-            line += f" {gbs:.0f} | {gbs / ceilings[ceiling]:.0%} ({ceiling}) |"
+            gbs = nbytes / d_ours / 1e9
+            line += (f" {d_ours * 1e6:.1f} | {d_torch * 1e6:.1f} | {gbs:.0f} |"
+                     f" {gbs / ceilings[ceiling]:.0%} ({ceiling}) |")
         print(line, flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 // kv_quant CUDA kernels. Quantize: one thread block per scale group; each thread keeps up to
 // kRegVecs 16-byte vectors in registers between the amax pass and the write pass, so a group of up
 // to 8 * blockDim vectors is read from memory once (larger groups re-read, from L2). Dequantize:
-// a flat grid of 16-byte output vectors. Any shape works: misaligned groups take the scalar path.
+// one thread block per 1024-vector tile of a block, 4 vectors per thread in flight, 16-byte
+// stores. Any shape works: misaligned groups take the scalar path (VEC = 1).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -145,28 +146,44 @@ __global__ __launch_bounds__(kMaxQuantThreads) void quantize_kernel(const T* __r
 }
 
 constexpr int kDequantThreads = 256;
+constexpr int kDequantUnroll = 4;  // vectors per thread, all loads issued before the stores
+constexpr int64_t kDequantTile = int64_t{kDequantThreads} * kDequantUnroll;
 
+// One thread block per tile of kDequantTile vectors of one block: the block id and its scales'
+// row are read once per CTA, vector v of the tile is element range [v * VEC, v * VEC + VEC) of
+// the dense [block_size, H, D] block (never across heads: D % VEC == 0 on the vector path), and
+// the in-block index math is 32-bit (the launcher checks block_elems < 2^31).
 template <typename T, int Q, int VEC>
-__global__ void dequantize_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales,
-                                  T* __restrict__ cache, const int64_t* __restrict__ ids, KvQuantGeometry geo,
-                                  int64_t chunks_per_group) {
-  const int64_t group = blockIdx.x / chunks_per_group;
-  const int64_t chunk = blockIdx.x % chunks_per_group;
-  const int64_t k = group / geo.groups_per_block;
+__global__ void __launch_bounds__(kDequantThreads)
+    dequantize_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, T* __restrict__ cache,
+                      const int64_t* __restrict__ ids, KvQuantGeometry geo, int64_t tiles_per_block) {
+  const int64_t k = blockIdx.x / tiles_per_block;
   const int64_t id = ids[k];
-  if (id < 0 || id >= geo.num_blocks) return;
-  const int64_t head_offset = (group % geo.groups_per_block) * geo.head_step;
-  const int64_t vecs_per_row = geo.row_len / VEC;
-  const int64_t total = geo.rows * vecs_per_row;
-  const int64_t v = chunk * blockDim.x + threadIdx.x;
-  if (v >= total) return;
-  const int64_t off = head_offset + vec_offset(v, vecs_per_row, geo.row_stride, VEC);
-  const float scale = scales[group];
-  const Bytes<VEC> in = *reinterpret_cast<const Bytes<VEC>*>(q + k * geo.block_elems + off);
-  Pack<T, VEC> out;
+  if (id < 0 || id >= geo.num_blocks) return;  // unvalidated device ids: skipped
+  const uint32_t vecs = static_cast<uint32_t>(geo.block_elems / VEC);
+  const uint32_t first = static_cast<uint32_t>((blockIdx.x - k * tiles_per_block) * kDequantTile) + threadIdx.x;
+  const int8_t* src = q + k * geo.block_elems;
+  T* dst = cache + id * geo.block_stride;
+  const float* s = scales + k * geo.groups_per_block;
+  const uint32_t head_step = static_cast<uint32_t>(geo.head_step);  // D per head, 0 for one scale per block
+  const uint32_t heads = static_cast<uint32_t>(geo.groups_per_block);
+  Bytes<VEC> in[kDequantUnroll];
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(decode<Q>(in.v[j]) * scale);
-  *reinterpret_cast<Pack<T, VEC>*>(cache + id * geo.block_stride + off) = out;
+  for (int u = 0; u < kDequantUnroll; ++u) {
+    const uint32_t v = first + u * kDequantThreads;
+    if (v < vecs) in[u] = *reinterpret_cast<const Bytes<VEC>*>(src + static_cast<int64_t>(v) * VEC);
+  }
+#pragma unroll
+  for (int u = 0; u < kDequantUnroll; ++u) {
+    const uint32_t v = first + u * kDequantThreads;
+    if (v >= vecs) continue;
+    const uint32_t e = v * VEC;
+    const float scale = s[head_step == 0 ? 0u : (e / head_step) % heads];
+    Pack<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(decode<Q>(in[u].v[j]) * scale);
+    *reinterpret_cast<Pack<T, VEC>*>(dst + e) = out;
+  }
 }
 
 // Whether every group run starts 16-byte aligned in the cache and VEC-byte aligned in q.
@@ -194,12 +211,12 @@ cudaError_t launch_quantize(const T* cache, const int64_t* ids, const KvQuantGeo
 template <typename T, int Q, int VEC>
 cudaError_t launch_dequantize(const int8_t* q, const float* scales, T* cache, const int64_t* ids,
                               const KvQuantGeometry& g, cudaStream_t stream) {
-  const int64_t groups = g.num_ids * g.groups_per_block;
-  const int64_t vecs = g.rows * (g.row_len / VEC);
-  const int64_t chunks = (vecs + kDequantThreads - 1) / kDequantThreads;
-  if (groups * chunks > 0x7fffffff) return cudaErrorInvalidValue;
-  dequantize_kernel<T, Q, VEC><<<static_cast<unsigned>(groups * chunks), kDequantThreads, 0, stream>>>(
-      q, scales, cache, ids, g, chunks);
+  if (g.block_elems <= 0 || g.block_elems > 0x7fffffff - kDequantTile * VEC) return cudaErrorInvalidValue;
+  const int64_t vecs = g.block_elems / VEC;
+  const int64_t tiles = (vecs + kDequantTile - 1) / kDequantTile;
+  if (g.num_ids * tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  dequantize_kernel<T, Q, VEC><<<static_cast<unsigned>(g.num_ids * tiles), kDequantThreads, 0, stream>>>(
+      q, scales, cache, ids, g, tiles);
   return cudaGetLastError();
 }
 

@@ -2,8 +2,10 @@
 // per group of threads with the widest vector all addresses allow (16 bytes for fp16/bf16 with
 // head_dim % 8 == 0): loads of consecutive threads are consecutive, so accesses coalesce. The
 // group size follows the row length so short rows (few heads) still fill whole warps.
-// swap_blocks is plain cudaMemcpyAsync per run of consecutive blocks: the copy engines reach
-// PCIe/NVLink bandwidth for host <-> device without occupying SMs.
+// swap_blocks: one kernel for any number of scattered blocks (copy_block_pairs: 16-byte vectors,
+// 4 in flight per thread, a grid-stride loop over 16 KiB tiles), also for pinned host memory
+// through its mapped address; cudaMemcpyAsync per run of consecutive blocks (copy_block_runs) for
+// pageable host memory, which a kernel cannot read, and for long host runs (the wrapper decides).
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
@@ -182,6 +184,98 @@ cudaError_t copy_block_runs(void* dst, const void* src, const BlockRun* runs, in
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+namespace {
+
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;                                  // vectors in flight per thread
+constexpr int64_t kTileVecs = int64_t{kCopyThreads} * kCopyUnroll;  // one tile: 16 KiB with uint4
+constexpr int kCopyCtasPerSm = 2048 / kCopyThreads;              // a full SM
+
+// Tile t is part t % tiles_per_block of pair t / tiles_per_block. Every thread issues all its
+// loads before its stores, so kCopyUnroll requests per thread are in flight. The pairs come from
+// `pairs` (device memory) or, for up to kInlinePairs of them, from the kernel's parameters
+// (__grid_constant__: read in place from the constant bank, one broadcast per CTA and tile).
+template <typename Vec, bool kInline>
+__global__ void __launch_bounds__(kCopyThreads)
+    block_pairs_kernel(char* __restrict__ dst, const char* __restrict__ src, const int64_t* __restrict__ pairs,
+                       const __grid_constant__ InlinePairs inline_pairs, int64_t num_tiles, int64_t tiles_per_block,
+                       int64_t block_bytes) {
+  const int64_t vecs_per_block = block_bytes / static_cast<int64_t>(sizeof(Vec));
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t pair = tile / tiles_per_block;
+    const int64_t first = (tile - pair * tiles_per_block) * kTileVecs + threadIdx.x;
+    const int64_t from = kInline ? inline_pairs.v[2 * pair] : pairs[2 * pair];
+    const int64_t to = kInline ? inline_pairs.v[2 * pair + 1] : pairs[2 * pair + 1];
+    const Vec* s = reinterpret_cast<const Vec*>(src + from * block_bytes);
+    Vec* d = reinterpret_cast<Vec*>(dst + to * block_bytes);
+    Vec v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = first + u * kCopyThreads;
+      if (i < vecs_per_block) v[u] = s[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = first + u * kCopyThreads;
+      if (i < vecs_per_block) d[i] = v[u];
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t copy_block_pairs(void* dst, const void* src, const int64_t* pairs, const InlinePairs* inline_pairs,
+                             int64_t num_pairs, int64_t block_bytes, int max_ctas, cudaStream_t stream) {
+  if (num_pairs == 0 || block_bytes == 0) return cudaSuccess;
+  if (num_pairs < 0 || block_bytes < 0 || dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
+  if (inline_pairs != nullptr ? num_pairs > kInlinePairs : pairs == nullptr) return cudaErrorInvalidValue;
+  const int width = vector_bytes({reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src),
+                                  static_cast<uint64_t>(block_bytes)});
+  const int64_t tiles_per_block = (block_bytes / width + kTileVecs - 1) / kTileVecs;
+  if (num_pairs > INT64_MAX / tiles_per_block) return cudaErrorInvalidValue;
+  const int64_t num_tiles = num_pairs * tiles_per_block;
+  int64_t ctas = max_ctas;
+  if (ctas <= 0) {
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    ctas = static_cast<int64_t>(sms) * kCopyCtasPerSm;
+  }
+  if (ctas > num_tiles) ctas = num_tiles;
+  if (ctas < 1) ctas = 1;
+  if (ctas > INT_MAX) ctas = INT_MAX;
+  static const InlinePairs kNoPairs{};
+  return with_vector(width, [&](auto vec) {
+    using Vec = decltype(vec);
+    const dim3 grid(static_cast<unsigned>(ctas));
+    if (inline_pairs != nullptr)
+      block_pairs_kernel<Vec, true><<<grid, kCopyThreads, 0, stream>>>(static_cast<char*>(dst),
+                                                                      static_cast<const char*>(src), nullptr,
+                                                                      *inline_pairs, num_tiles, tiles_per_block,
+                                                                      block_bytes);
+    else
+      block_pairs_kernel<Vec, false><<<grid, kCopyThreads, 0, stream>>>(static_cast<char*>(dst),
+                                                                       static_cast<const char*>(src), pairs, kNoPairs,
+                                                                       num_tiles, tiles_per_block, block_bytes);
+    return cudaGetLastError();
+  });
+}
+
+void* device_address(const void* ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer the runtime knows: clear the error, take the memcpy path
+    return nullptr;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+    case cudaMemoryTypeManaged:
+    case cudaMemoryTypeHost: return attr.devicePointer;  // nullptr for pinned memory that is not mapped
+    default: return nullptr;                             // pageable host memory
+  }
 }
 
 }  // namespace samcache::cuda

@@ -62,4 +62,28 @@ struct BlockRun {
 cudaError_t copy_block_runs(void* dst, const void* src, const BlockRun* runs, int64_t num_runs, int64_t block_bytes,
                             cudaStream_t stream);
 
+// Up to kInlinePairs (src, dst) block pairs travel in the kernel's parameters, so a small swap
+// needs no upload ahead of the kernel: int32, 3,840 bytes (with the other parameters within the
+// classic 4 KiB limit).
+constexpr int kInlinePairs = 480;
+struct InlinePairs {
+  int32_t v[2 * kInlinePairs];
+};
+
+// One kernel for any number of scattered blocks: for p < num_pairs, copies block_bytes bytes from
+// src + pair[p].src * block_bytes to dst + pair[p].dst * block_bytes, the pairs taken from
+// `inline_pairs` when given (num_pairs <= kInlinePairs), else from `pairs` (a device array, int64
+// [num_pairs, 2]). src and dst are addresses the kernel can dereference: device memory, or the
+// mapped device address of pinned host memory (see device_address). The pairs must not depend on
+// their order (distinct destinations, no destination read by another pair). `max_ctas` caps the
+// grid: 0 fills the GPU (device <-> device); a host side needs only enough requests in flight to
+// cover the PCIe latency, so it gets a few CTAs and leaves the SMs to the compute.
+cudaError_t copy_block_pairs(void* dst, const void* src, const int64_t* pairs, const InlinePairs* inline_pairs,
+                             int64_t num_pairs, int64_t block_bytes, int max_ctas, cudaStream_t stream);
+
+// The address a kernel on the current device uses for `ptr`: ptr itself for device memory, the
+// mapped address for pinned (page-locked) host memory; nullptr for pageable host memory, which no
+// kernel can read (and for anything the runtime does not know). Never leaves a CUDA error set.
+void* device_address(const void* ptr);
+
 }  // namespace samcache::cuda

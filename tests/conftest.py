@@ -6,6 +6,11 @@ from hypothesis import HealthCheck, settings
 
 import samcache
 
+# Without a GPU, samcache's Triton kernels run in Triton's interpreter (tests/test_ops_attention_paths.py);
+# Triton reads this when it is first imported, so it is set before any test module loads.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # CI runs the "ci" profile (set by .ci/run through make test); both stay within seconds per test.
 settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

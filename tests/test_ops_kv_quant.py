@@ -350,6 +350,34 @@ def test_cuda_matches_reference(qtype, dtype, per_head):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_dequantize_equals_cpu(qtype, dtype):
+    """CUDA writes exactly the CPU's values (the same float32 product, the same rounding): blocks of
+    several 1024-vector tiles, per block and per head, a cache view with a block stride of two
+    blocks, the scalar path (odd head_dim), a NaN group; everything else keeps its poison."""
+    cases = [((64, 16, 8, 128), False, False), ((64, 16, 8, 128), True, True), ((33, 16, 2, 64), True, False),
+             ((9, 3, 5, 7), True, True), ((7, 64, 8, 128), False, True), ((5, 1, 1, 1), False, False)]
+    for seed, (shape, per_head, view) in enumerate(cases):
+        cache = random_cache(shape, dtype, seed)
+        ids = torch.randperm(shape[0], generator=torch.Generator().manual_seed(seed))[: shape[0] // 2 + 1]
+        cache[ids[0], 0, 0, 0] = float("nan")  # that group dequantizes to NaN
+        q, s = quantize_kv_blocks(cache, ids, qtype, per_head)
+
+        def poisoned(device):
+            full = torch.full((shape[0], 2, *shape[1:]), -7.0, dtype=dtype, device=device)
+            return full, (full[:, 1] if view else full[:, 0].contiguous())
+
+        full_cpu, out_cpu = poisoned("cpu")
+        dequantize_kv_blocks(q, s, out_cpu, ids)
+        for dev_ids in (ids, ids.cuda()):
+            full_gpu, out_gpu = poisoned("cuda")
+            dequantize_kv_blocks(q.cuda(), s.cuda(), out_gpu, dev_ids)
+            torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(full_gpu.cpu(), full_cpu, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
 def test_cuda_device_ids_out_of_range_are_skipped():
     cache = random_cache((4, 2, 2, 8), torch.float16, seed=0, device="cuda")
     ids = torch.tensor([1, 7, -1, 2], device="cuda")

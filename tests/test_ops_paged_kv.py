@@ -505,18 +505,96 @@ def test_swap_round_trip_cuda_host(pinned):
     assert torch.equal(gpu, before)
 
 
+SWAP_PLACES = [("cuda", "cuda"), ("cuda", "pinned"), ("pinned", "cuda"), ("cuda", "pageable"), ("pageable", "cuda")]
+# (src blocks, dst blocks, per-block shape, dtype): 16-byte vectors (32 KiB and 128 B blocks),
+# 2-byte and 1-byte vectors (6-byte fp16 blocks, 15-byte int8 blocks), more 16 KiB tiles than the
+# grid has CTAs (3000 small blocks), 64 KiB blocks of 4 tiles.
+SWAP_SHAPES = [(64, 48, (16, 8, 128), torch.bfloat16), (40, 30, (2, 16), torch.float32), (9, 7, (3,), torch.float16),
+               (30, 40, (5, 3), torch.int8), (3000, 2500, (4,), torch.float32), (6, 5, (16, 8, 128), torch.float32)]
+
+
+def place(t, where):
+    """t (CPU) on the GPU, in pinned host memory, or left in pageable host memory."""
+    return t.cuda() if where == "cuda" else (t.pin_memory() if where == "pinned" else t.clone())
+
+
+def swap_pairs(src_blocks, dst_blocks, layout, g):
+    """[n, 2] pairs: 'runs' of consecutive blocks (shuffled; the op merges them), 'scattered' (a
+    source may feed several destinations), or 'mixed' (one run among scattered pairs)."""
+    n = min(src_blocks, dst_blocks) - int(torch.randint(0, 3, (1,), generator=g)) if min(src_blocks, dst_blocks) > 3 else 1
+    run = n if layout == "runs" else (n // 2 if layout == "mixed" else 0)
+    s0 = int(torch.randint(0, src_blocks - run + 1, (1,), generator=g))
+    d0 = int(torch.randint(0, dst_blocks - run + 1, (1,), generator=g))
+    rest = torch.tensor([d for d in torch.randperm(dst_blocks, generator=g).tolist() if not d0 <= d < d0 + run],
+                        dtype=torch.int64)
+    srcs = torch.cat([torch.arange(run) + s0, torch.randint(0, src_blocks, (n - run,), generator=g)])
+    dsts = torch.cat([torch.arange(run) + d0, rest[: n - run]])
+    return torch.stack([srcs, dsts], 1)[torch.randperm(n, generator=g)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_swap_blocks_cuda_to_cuda_matches_reference(dtype):
-    g = torch.Generator().manual_seed(8)
-    src = random_tensor((40, 16, 2, 64), dtype, g, "cuda")
-    dst = torch.full((30, 16, 2, 64), float("nan"), dtype=dtype, device="cuda")
-    pairs = torch.stack([torch.randint(0, 40, (20,), generator=g), torch.randperm(30, generator=g)[:20]], 1)
-    pairs = torch.cat([pairs, torch.tensor([[0, 29]])]) if 29 not in pairs[:, 1] else pairs
+@pytest.mark.parametrize("src_at,dst_at", SWAP_PLACES)
+@pytest.mark.parametrize("path", ["auto", "kernel", "memcpy"])
+def test_swap_blocks_cuda_matches_reference(src_at, dst_at, path, monkeypatch):
+    """Every pair of places, each path (SAMCACHE_SWAP_BLOCKS; pageable memory always takes the
+    copy engines), scattered pairs and runs, vector widths from 16 bytes down to 1, a grid-stride
+    loop; destinations poisoned, compared with a plain per-block reference."""
+    monkeypatch.setenv("SAMCACHE_SWAP_BLOCKS", path)
+    g = torch.Generator().manual_seed(11)
+    for src_blocks, dst_blocks, tail, dtype in SWAP_SHAPES:
+        src = place(random_tensor((src_blocks, *tail), dtype, g), src_at)
+        for layout in ["scattered", "runs", "mixed"]:
+            dst = place(torch.full((dst_blocks, *tail), poison(dtype), dtype=dtype), dst_at)
+            pairs = swap_pairs(src_blocks, dst_blocks, layout, g)
+            want = reference_swap(src, dst, pairs)
+            swap_blocks(src, dst, pairs.to(torch.int32 if layout == "mixed" else torch.int64))
+            torch.cuda.synchronize()
+            assert_same(dst, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("src_at,dst_at", SWAP_PLACES[:3])
+def test_swap_blocks_cuda_misaligned_views(src_at, dst_at):
+    """Views one element into their storage (2-byte aligned pointers): the kernel narrows its vectors."""
+    g = torch.Generator().manual_seed(12)
+    src_base = place(random_tensor((1 + 12 * 40,), torch.float16, g), src_at)
+    dst_base = place(torch.full((1 + 10 * 40,), float("nan"), dtype=torch.float16), dst_at)
+    src, dst = src_base[1:].view(12, 5, 8), dst_base[1:].view(10, 5, 8)
+    pairs = torch.tensor([[3, 0], [4, 1], [5, 2], [11, 9], [0, 5]])
     want = reference_swap(src, dst, pairs)
     swap_blocks(src, dst, pairs)
     torch.cuda.synchronize()
     assert_same(dst, want)
+    assert dst_base[:1].isnan().all(), "nothing before the view is written"
+
+
+@pytest.mark.cuda
+def test_swap_blocks_cuda_within_one_tensor():
+    cache = torch.arange(6 * 4.0, device="cuda").reshape(6, 4)
+    pairs = torch.tensor([[0, 3], [1, 4], [1, 5]])
+    want = reference_swap(cache, cache, pairs)
+    swap_blocks(cache, cache, pairs)
+    torch.cuda.synchronize()
+    assert_same(cache, want)
+
+
+@pytest.mark.cuda
+def test_swap_blocks_cuda_bad_pairs_raise_the_cpu_error():
+    """Bad pairs are refused before anything is copied, with the CPU's exception and message."""
+    bad = [([[4, 1]], IndexError), ([[-1, 1]], IndexError), ([[0, 3]], IndexError), ([[0, 1], [2, 1]], ValueError)]
+    for pairs, exc in bad:
+        pairs = torch.tensor(pairs)
+        with pytest.raises(exc) as cpu_err:
+            swap_blocks(torch.randn(4, 2, 3), torch.zeros(3, 2, 3), pairs)
+        for src_at, dst_at in SWAP_PLACES:
+            dst = place(torch.zeros(3, 2, 3), dst_at)
+            with pytest.raises(exc) as err:
+                swap_blocks(place(torch.randn(4, 2, 3), src_at), dst, pairs)
+            assert str(err.value).splitlines()[0] == str(cpu_err.value).splitlines()[0]
+            assert not dst.any(), "a rejected call must not write"
+    cache = torch.zeros(8, 2, device="cuda")
+    with pytest.raises(ValueError):  # same tensor, block 1 is read and written
+        swap_blocks(cache, cache, torch.tensor([[0, 1], [1, 2]]))
 
 
 @pytest.mark.cuda

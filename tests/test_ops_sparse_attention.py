@@ -233,6 +233,16 @@ def test_opcheck_and_compile():
     torch.testing.assert_close(out.double(), 2 * ref_out, rtol=1e-5, atol=1e-5)
 
 
+def cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels fn launches (torch.profiler's device activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 # Batches: (lengths, rows per sequence, block_size, kv_heads, heads per kv head, head_dim). The
 # second uses several key splits (few rows) and two head groups (12 heads per kv head).
 @pytest.mark.cuda
@@ -244,27 +254,35 @@ def test_opcheck_and_compile():
 )
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_cuda_matches_reference(dtype, shape, tensor_cores, monkeypatch):
-    # SAMCACHE_SPARSE_ATTENTION_TC=1 takes the CuTe tensor-core kernel where it applies (one
-    # sequence, bf16/fp16, head_dim 64 or 128); other cases use the CUDA-core kernel.
+    """samcache's CUDA kernels (backend "native"). SAMCACHE_SPARSE_ATTENTION_TC=1 takes the CuTe
+    tensor-core kernel where it applies (one sequence, bf16/fp16, head_dim 64 or 128), the
+    CUDA-core kernel otherwise: the profiler says which ran."""
     monkeypatch.setenv("SAMCACHE_SPARSE_ATTENTION_TC", "1" if tensor_cores else "0")
     lengths, rows, bs, hkv, g, d = shape
     q, meta, kc, vc = make_batch(5, lengths, rows, 2, bs, hkv, g, d, dtype)
     cuda_meta = AttentionMetadata(*(t.cuda() for t in (meta.q_pos, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                                        meta.kv_last_page_len)), meta.max_kv_len)
+    tc_applies = tensor_cores and len(lengths) == 1 and dtype != torch.float32 and d in (64, 128)
     for window, cap in ((-1, 0.0), (100, 30.0)):
         ref_out, ref_lse = reference(q, meta, kc, vc, d**-0.5, window, cap)
-        out, lse = sparse_attention(q.cuda(), cuda_meta, kc.cuda(), vc.cuda(), window=window, logit_cap=cap)
+        got = []
+        kernels = cuda_kernels(lambda: got.append(sparse_attention(q.cuda(), cuda_meta, kc.cuda(), vc.cuda(), window=window,
+                                                                   logit_cap=cap, backend="native")))
+        out, lse = got[0]
+        assert any(("tc_kernel" if tc_applies else "split_kernel") in k for k in kernels), kernels
+        assert tc_applies or not any("tc_kernel" in k for k in kernels), kernels
         tol = DTYPES[dtype]
         torch.testing.assert_close(out.cpu().double(), ref_out, rtol=tol, atol=tol)
         torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=tol, atol=tol)
 
 
 @pytest.mark.cuda
-def test_cuda_out_of_range_position_gives_nan_not_a_fault():
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_cuda_out_of_range_position_gives_nan_not_a_fault(backend):
     q, meta, kc, vc = make_batch(7, [64], [4], 0, 16, 1, 2, 64, torch.float16)
     bad = AttentionMetadata(torch.tensor([3, 64, 10, 2**30], dtype=torch.int32).cuda(), meta.qo_indptr.cuda(),
                             meta.kv_indptr.cuda(), meta.kv_indices.cuda(), meta.kv_last_page_len.cuda(), 64)
-    out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda())  # device metadata is not checked on the host
+    out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda(), backend=backend)  # not checked on the host
     assert out[[1, 3]].isnan().all() and lse[[1, 3]].isnan().all()
     assert not out[[0, 2]].isnan().any()
 
@@ -285,17 +303,17 @@ def test_cuda_inconsistent_metadata_gives_nan_not_a_fault(tensor_cores, monkeypa
         (dict(kv_indptr=i64(0, 9)), [0, 1, 2, 3]),                 # pages past kv_indices
         (dict(kv_indptr=i64(-1, 3)), [0, 1, 2, 3]),                # pages before kv_indices
         (dict(kv_last_page_len=i64(17)), [0, 1, 2, 3]),            # more than a block
-        (dict(kv_indices=meta.kv_indices.long() + 2**32), [0, 1, 2, 3]),  # no wrap to a valid page
+        (dict(kv_indices=meta.kv_indices.long().cuda() + 2**32), [0, 1, 2, 3]),  # no wrap to a valid page
     ]
     for change, nan_rows in cases:
         parts = {k: (v.cuda() if k not in change else change[k]) for k, v in good.items()}
         bad = AttentionMetadata(parts["q_pos"], parts["qo_indptr"], parts["kv_indptr"], parts["kv_indices"],
                                 parts["kv_last_page_len"], 64)
-        out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda())
+        out, lse = sparse_attention(q.cuda(), bad, kc.cuda(), vc.cuda(), backend="native")
         torch.cuda.synchronize()
         ok_rows = [r for r in range(q.shape[0]) if r not in nan_rows]
-        assert out[nan_rows].isnan().all() and lse[nan_rows].isnan().all(), change
-        torch.testing.assert_close(out[ok_rows].cpu().double(), ref_out[ok_rows], rtol=2e-3, atol=2e-3)
+        assert out[nan_rows].isnan().all() and lse[nan_rows].isnan().all(), (change, out[nan_rows], lse[nan_rows])
+        torch.testing.assert_close(out[ok_rows].cpu().double(), ref_out[ok_rows], rtol=2e-3, atol=2e-3, msg=str(change))
 
 
 @pytest.mark.parametrize("n, m, hq, hkv, d", [(1, 1, 1, 1, 8), (37, 37, 4, 4, 16), (600, 600, 4, 2, 16), (5, 70, 2, 1, 64)])

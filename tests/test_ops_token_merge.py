@@ -169,24 +169,93 @@ def test_token_merge_cuda_matches_reference(dtype):
         torch.testing.assert_close(merged.cpu().double(), cpu_merged.double(), rtol=tol, atol=tol * 4)
 
 
+def plan_with_rows(lengths, seed):
+    """A plan whose anchors have exactly the given member counts (anchor included), members
+    interleaved at random positions."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    perm = torch.randperm(n, generator=g)
+    target = torch.empty(n, dtype=torch.int64)
+    start = 0
+    for length in lengths:
+        members = perm[start : start + length]
+        anchor = members.min()
+        target[members] = anchor
+        start += length
+    weight = torch.rand(n, generator=g) + 0.01
+    return target, weight
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_merge_cuda_rows_of_every_length(dtype):
+    """Rows of one chunk (<= 32 members) and rows cut into chunks (33 .. 2049+ members) side by
+    side, on the vector path and the scalar path (odd width, strided and misaligned rows)."""
+    lengths = [1, 2, 31, 32, 33, 64, 65, 100, 2048, 2049, 3000, 1, 5]
+    for seed, d in enumerate([64, 1000, 77]):
+        target, weight = plan_with_rows(lengths, seed)
+        n = len(target)
+        full = (torch.randn(n, d + 3, generator=torch.Generator().manual_seed(seed)) * 4).to(dtype)
+        for strided in (False, True):  # packed rows; rows d + 3 apart starting one element in
+            hidden = full[:, 1 : d + 1] if strided else full[:, :d].contiguous()
+            h = full.cuda()[:, 1 : d + 1] if strided else hidden.cuda()
+            t, w = target.cuda(), weight.cuda()
+            poison_allocator(n * (d + 3) * 4, "cuda")
+            merged, kept = token_merge(h, t, w)
+            check_merge(hidden, target, weight, merged, kept)
+            again, kept_again = token_merge(h, t, w)
+            assert torch.equal(merged.view(torch.uint8), again.view(torch.uint8)), "bitwise reproducible"
+            assert torch.equal(kept, kept_again)
+
+
+@pytest.mark.cuda
+def test_token_merge_cuda_zero_width_and_tiny():
+    for n, d in [(1, 0), (40, 0), (1, 1), (3, 5)]:
+        target, weight = random_plan(n, "random", seed=n + d)
+        merged, kept = token_merge(torch.randn(n, d).cuda(), target.cuda(), weight.cuda())
+        want_merged, want_kept = token_merge(torch.randn(n, d), target, weight)
+        assert merged.shape == want_merged.shape and torch.equal(kept.cpu(), want_kept)
+    merged, kept = token_merge(torch.zeros(0, 7).cuda(), torch.zeros(0, dtype=torch.long).cuda(), torch.zeros(0).cuda())
+    assert merged.shape == (0, 7) and kept.shape == (0,) and merged.is_cuda and kept.is_cuda
+
+
 @pytest.mark.cuda
 def test_token_merge_cuda_bad_input_matches_cpu():
+    """Every kind of bad plan raises the CPU's exception with the CPU's message, and the process
+    (and later CUDA work) is unharmed."""
     hidden = torch.randn(4, 8)
     target = torch.tensor([0, 0, 2, 2])
     bad = [
         (torch.tensor([0, 4, 2, 2]), torch.ones(4), IndexError),
+        (torch.tensor([0, -1, 2, 2]), torch.ones(4), IndexError),
+        (torch.tensor([0, 2**40, 2, 2]), torch.ones(4), IndexError),
         (torch.tensor([0, 0, 1, 2]), torch.ones(4), ValueError),
         (target, torch.tensor([1.0, -0.5, 1.0, 1.0]), ValueError),
+        (target, torch.tensor([1.0, 1.0, float("nan"), 1.0]), ValueError),
+        (target, torch.tensor([1.0, float("inf"), 1.0, 1.0]), ValueError),
         (target, torch.tensor([1.0, 1.0, 0.0, 0.0]), ValueError),
+        (target, torch.tensor([3e38, 3e38, 1.0, 1.0]), ValueError),  # anchor 0's total overflows float32
     ]
-    for t, w, exc in bad:
+    big = torch.randn(5, 8)  # an out-of-range target wins over an earlier bad weight
+    cases = [((hidden, t, w), exc) for t, w, exc in bad]
+    cases.append(((big, torch.tensor([0, 0, 2, 3, 9]), torch.tensor([-1.0, 1, 1, 1, 1])), IndexError))
+    for (h, t, w), exc in cases:
         with pytest.raises(exc) as cpu_err:
-            token_merge(hidden, t, w)
+            token_merge(h, t, w)
         with pytest.raises(exc) as cuda_err:
-            token_merge(hidden.cuda(), t.cuda(), w.cuda())
+            token_merge(h.cuda(), t.cuda(), w.cuda())
         assert str(cpu_err.value).splitlines()[0] == str(cuda_err.value).splitlines()[0]
     with pytest.raises(ValueError):
         token_merge(hidden.cuda(), target, torch.ones(4).cuda())  # mixed devices
+    # Huge weights whose totals stay finite take the host check and still merge.
+    w = torch.tensor([3e38, 1.0, 3e38, 1.0])
+    small = torch.rand(4, 8)  # |x| < 1: no weighted row overflows either
+    merged, kept = token_merge(small.cuda(), target.cuda(), w.cuda())
+    want, want_kept = token_merge(small, target, w)
+    assert torch.equal(kept.cpu(), want_kept)
+    torch.testing.assert_close(merged.cpu(), want, rtol=1e-6, atol=1e-6)
+    merged, _ = token_merge(hidden.cuda(), target.cuda(), torch.ones(4).cuda())  # CUDA still works
+    torch.cuda.synchronize()
 
 
 @pytest.mark.cuda

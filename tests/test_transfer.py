@@ -65,17 +65,48 @@ def test_bad_loads_are_refused():
         TransferEngine(k, v, num_threads=0)
 
 
+def _sleep_cycles(seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` (calibrated here)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds * 1e3 / max(start.elapsed_time(end), 1e-3))
+
+
 @pytest.mark.cuda
 def test_cuda_loads_land_layer_by_layer_on_a_side_stream():
-    """On CUDA the load runs on the engine's side stream; wait(l) orders the compute stream after
-    layer l's copy, so a kernel enqueued after it reads the loaded rows."""
+    """On CUDA the load runs on the engine's side stream: load() returns while the compute stream
+    is still busy (the host never waits), the copies run while compute queued after load() runs
+    (overlap, checked with events), and wait(l) orders the compute stream after layer l's copy,
+    so a kernel enqueued after it reads the loaded rows."""
     device = torch.device("cuda")
     k, v = (t.to(device) for t in _caches(4, 8, 16, 2, 64, torch.bfloat16))
     engine = TransferEngine(k, v)
     rng = np.random.default_rng(0)
     slots = rng.permutation(8 * 16)[:100]
-    kv = torch.randn(4, 2, 100, 2, 64).pin_memory()
+    kv = torch.randn(4, 2, 100, 2, 64).pin_memory()  # float32 into bfloat16 caches: converted on the GPU
+    engine.load(kv, slots).release()  # warm-up: kernels loaded, pinned buffers cached
+    k.fill_(float("nan")), v.fill_(float("nan"))
+    compute = torch.cuda.current_stream()
+    cycles = _sleep_cycles(0.3)
+
+    torch.cuda._sleep(cycles)  # work queued before the load: its copies wait for it on the GPU only
+    earlier_done = torch.cuda.Event()
+    earlier_done.record(compute)
     load = engine.load(kv, slots)
+    assert not earlier_done.query(), "load() made the host wait for the compute stream"
+    copies_done = torch.cuda.Event()
+    copies_done.record(engine._stream)  # after every copy of the load on the side stream
+    torch.cuda._sleep(cycles)  # compute queued after the load (e.g. the current layer)
+    later_done = torch.cuda.Event()
+    later_done.record(compute)
+    copies_done.synchronize()
+    assert earlier_done.query(), "the copies ran before the work queued ahead of them"
+    assert not later_done.query(), "the copies did not overlap the compute stream"
+
     index = torch.from_numpy(slots).to(device)
     for layer in range(4):
         load.wait(layer)
@@ -84,5 +115,8 @@ def test_cuda_loads_land_layer_by_layer_on_a_side_stream():
     load.release()
     torch.testing.assert_close(v.view(4, -1, 2, 64)[:, index].float().cpu(), kv[:, 1].to(torch.bfloat16).float(),
                                rtol=0, atol=0)
+    untouched = torch.ones(8 * 16, dtype=torch.bool)
+    untouched[torch.from_numpy(slots)] = False
+    assert k.view(4, -1, 2, 64)[:, untouched.to(device)].isnan().all(), "rows outside the slots stay as they were"
     # Timed on the GPU's clock: the copy took time, and the stalls are part of it at most.
     assert load.copy_seconds > 0 and 0 <= load.waited_seconds <= load.copy_seconds + 1e-3

@@ -20,6 +20,12 @@ TORCH_LIBRARY(samcache, m) {
       "sparse_attention(Tensor q, Tensor q_pos, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor kv_last_page_len, Tensor key_cache, Tensor value_cache, float scale, int window=-1, "
       "float logit_cap=0.0, int max_kv_len=-1) -> (Tensor, Tensor)");
+  // The argument checks of sparse_attention alone (raises what it would raise, computes nothing):
+  // the GPU's other attention paths (flash, Triton) run behind them.
+  m.def(
+      "sparse_attention_check(Tensor q, Tensor q_pos, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor kv_last_page_len, Tensor key_cache, Tensor value_cache, float scale, float logit_cap=0.0, "
+      "int max_kv_len=-1) -> ()");
   // Writes token i's K/V rows at slot slot_mapping[i] of the paged caches (-1 = skip).
   m.def("paged_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   // One sequence's first num_tokens tokens as contiguous [num_tokens, heads, head_dim] K and V.
@@ -43,6 +49,7 @@ TORCH_LIBRARY(samcache, m) {
 TORCH_LIBRARY_IMPL(samcache, CPU, m) {
   m.impl("copy_blocks", &samcache::kernels::copy_blocks_cpu);
   m.impl("sparse_attention", &samcache::kernels::sparse_attention_cpu);
+  m.impl("sparse_attention_check", &samcache::kernels::sparse_attention_check);
   m.impl("paged_write", &samcache::kernels::paged_write_cpu);
   m.impl("paged_gather", &samcache::kernels::paged_gather_cpu);
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cpu);
@@ -57,6 +64,7 @@ TORCH_LIBRARY_IMPL(samcache, CPU, m) {
 TORCH_LIBRARY_IMPL(samcache, CUDA, m) {
   m.impl("copy_blocks", &samcache::kernels::copy_blocks_cuda);
   m.impl("sparse_attention", &samcache::kernels::sparse_attention_cuda);
+  m.impl("sparse_attention_check", &samcache::kernels::sparse_attention_check);
   m.impl("paged_write", &samcache::kernels::paged_write_cuda);
   m.impl("paged_gather", &samcache::kernels::paged_gather_cuda);
   m.impl("swap_blocks", &samcache::kernels::swap_blocks_cuda);

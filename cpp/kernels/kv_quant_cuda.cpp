@@ -33,13 +33,14 @@ int cache_dtype_code(at::ScalarType dt) {
                           : (dt == at::kHalf ? samcache::cuda::kCacheFloat16 : samcache::cuda::kCacheBFloat16);
 }
 
-// int64 ids on the cache's device: validated host ids are uploaded; device ids are used as they
-// are (the kernels skip the out-of-range ones).
+// int64 ids on the cache's device: validated host ids are uploaded asynchronously from a pinned
+// buffer (torch's caching host allocator keeps it until the copy has run), so the host never
+// waits for the stream; device ids are used as they are (the kernels skip the out-of-range ones).
 at::Tensor device_ids(const at::Tensor& block_ids, const KvQuantPlan& plan, const at::Device& device) {
   if (!plan.ids_on_host) return block_ids.to(at::kLong).contiguous();
-  at::Tensor host = at::empty({plan.num_ids}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor host = at::empty({plan.num_ids}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(plan.ids.begin(), plan.ids.end(), host.mutable_data_ptr<int64_t>());
-  return host.to(device, /*non_blocking=*/false);
+  return host.to(device, /*non_blocking=*/true);
 }
 
 }  // namespace

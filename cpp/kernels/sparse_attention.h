@@ -39,6 +39,12 @@ SparseAttentionPlan plan_sparse_attention(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& value_cache, double scale, double logit_cap,
                                           int64_t max_kv_len);
 
+// plan_sparse_attention as an op: the checks alone, on any device.
+void sparse_attention_check(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
+                            const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache, double scale, double logit_cap,
+                            int64_t max_kv_len);
+
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
                                                         const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
                                                         const at::Tensor& kv_indices,

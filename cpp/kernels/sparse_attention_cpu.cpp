@@ -550,6 +550,14 @@ SAMCACHE_SIMD_CLONES void direct_task(const Batch& bt, const Task& t, const floa
 
 }  // namespace
 
+void sparse_attention_check(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& qo_indptr,
+                            const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache, double scale, double logit_cap,
+                            int64_t max_kv_len) {
+  plan_sparse_attention(q, q_pos, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, key_cache, value_cache, scale,
+                        logit_cap, max_kv_len);
+}
+
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
                                                         const at::Tensor& qo_indptr, const at::Tensor& kv_indptr,
                                                         const at::Tensor& kv_indices,

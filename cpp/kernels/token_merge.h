@@ -37,6 +37,10 @@ struct TokenMergePlan {
 
 // All checks, then the grouping. CPU tensors only.
 TokenMergePlan plan_token_merge(const at::Tensor& hidden, const at::Tensor& target, const at::Tensor& weight);
+// The value checks and the grouping alone, for CPU target (int64 [N]) and weight (float32 [N])
+// whose shapes and dtypes are already checked: the CUDA path runs it on host copies when its
+// device validation finds a problem, so both devices raise the very same error.
+TokenMergePlan plan_token_merge_values(const at::Tensor& target, const at::Tensor& weight);
 
 std::tuple<at::Tensor, at::Tensor> token_merge_cpu(const at::Tensor& hidden, const at::Tensor& target,
                                                    const at::Tensor& weight);

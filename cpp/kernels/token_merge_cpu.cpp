@@ -52,7 +52,14 @@ void check_token_merge_args(const at::Tensor& hidden, const at::Tensor& target, 
 
 TokenMergePlan plan_token_merge(const at::Tensor& hidden, const at::Tensor& target, const at::Tensor& weight) {
   check_token_merge_args(hidden, target, weight);
-  const int64_t n = hidden.size(0);
+  return plan_token_merge_values(target, weight);
+}
+
+TokenMergePlan plan_token_merge_values(const at::Tensor& target, const at::Tensor& weight) {
+  TORCH_CHECK(target.device().is_cpu() && weight.device().is_cpu() && target.scalar_type() == at::kLong &&
+                  weight.scalar_type() == at::kFloat && target.dim() == 1 && weight.sizes() == target.sizes(),
+              "token_merge: plan_token_merge_values takes CPU int64 target and float32 weight of one length");
+  const int64_t n = target.size(0);
   const at::Tensor tc = target.contiguous(), wc = weight.contiguous();
   const int64_t* t = tc.const_data_ptr<int64_t>();
   const float* w = wc.const_data_ptr<float>();

@@ -233,7 +233,7 @@ class StepBatch:
                     slots = torch.from_numpy(np.concatenate([slot_ids(s.block_table, w, self.block_size)
                                                              for s, w in zip(steps, where)])).to(device)
                 else:
-                    meta = self.all_rows.meta.select(idx, [p.size for p in parts])
+                    meta = self.all_rows.meta.select(idx, [p.size for p in parts], host_rows=index)
                     slots = self.all_rows.slots.index_select(0, idx)
                 previous = (key, RowSubset(idx, slots, meta, *self._visual(index)))
             self.layers[layer] = previous[1]

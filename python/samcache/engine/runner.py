@@ -35,9 +35,10 @@ from samcache.errors import UnsupportedModel
 _MLP_ROWS = 1024  # rows per MLP chunk: 1,024 x (2 x 768) float32 intermediates are 6 MB
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate_half's sign folded in: rotate_half(x) * sin == swap_halves(x) * this."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -164,27 +165,34 @@ class ModelRunner:
         cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:, None, :])
         return cos[0], sin[0]
 
-    def _project(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [m, heads, d], k and v [m, kv_heads, d] of layer ``l`` for normed inputs ``x``."""
+    def _project(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+        """q [m, heads, d], k and v [m, kv_heads, d] of layer ``l`` for normed inputs ``x``;
+        ``sin_signed`` is :func:`_signed_sin` of the rows' sin."""
         attn = self.layers[l].self_attn
         m = x.shape[0]
         w, b = self._qkv[l]
         qkv = linear(x, w, b)
         nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :nq].view(m, self.num_heads, self.head_dim)
-        k = qkv[:, nq: nq + nk].view(m, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
         v = qkv[:, nq + nk:].view(m, self.num_kv_heads, self.head_dim)
         if self.family.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+            q = attn.q_norm(qkv[:, :nq].view(m, self.num_heads, self.head_dim))
+            k = attn.k_norm(qkv[:, nq: nq + nk].view(m, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : nq + nk].view(m, heads, self.head_dim)
+        # q and k rotated together (one set of kernels for both): x * cos + rotate_half(x) * sin,
+        # with rotate_half's sign folded into sin_signed (exact: a sign flip commutes with *).
+        half = self.head_dim // 2
+        rotated = qk * cos[:, None, :] + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed[:, None, :]
+        return rotated[:, : self.num_heads], rotated[:, self.num_heads:], v
 
     def _mlp(self, l: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[l].mlp
         fused = self._gate_up[l]
         if fused is None:  # MoE: the model's own block (router, experts)
             return mlp(x[None])[0]
-        if x.shape[0] > _MLP_ROWS:  # a big batch: in row chunks, so the intermediates stay in cache
+        if x.shape[0] > _MLP_ROWS and x.device.type == "cpu":  # in row chunks, so the intermediates stay in cache
             return torch.cat([self._mlp(l, part) for part in x.split(_MLP_ROWS)])
         gate, up = linear(x, *fused).chunk(2, dim=-1)
         return linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
@@ -193,7 +201,7 @@ class ModelRunner:
     def layer0_queries(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer-0 queries [m, heads, head_dim] of tokens with these inputs (for relevance scores)."""
         cos, sin = self.rope(positions, embeds)
-        q, _, _ = self._project(0, self.layers[0].input_layernorm(embeds), cos, sin)
+        q, _, _ = self._project(0, self.layers[0].input_layernorm(embeds), cos, _signed_sin(sin))
         return q
 
     # ---- the layer loop ------------------------------------------------------------------------
@@ -203,6 +211,7 @@ class ModelRunner:
         sequence's last row."""
         h = batch.embeds.to(self.device, self.dtype).clone()
         cos_all, sin_all = self.rope(batch.positions, h)
+        sin_all = _signed_sin(sin_all)
         for l, layer in enumerate(self.layers):
             for hook in batch.before_layer:  # KV loading from a lower tier: wait for this layer's
                 hook(l)

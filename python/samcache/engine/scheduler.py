@@ -136,9 +136,11 @@ class Scheduler:
                             self._drop(running.pop(i), admissions[i])
                         results[i] = e
                     continue
-                now = time.perf_counter()
                 # Greedy rows: one argmax over the step's logits (one device sync for all of them).
                 greedy = logits.argmax(-1).tolist() if any(admissions[i].sampler.greedy for i in owners) else None
+                if greedy is None and logits.is_cuda:  # the step's kernels are only queued until here
+                    torch.cuda.current_stream(logits.device).synchronize()
+                now = time.perf_counter()  # after the step's GPU work: the first tokens exist now
                 for row, i in enumerate(owners):
                     adm = admissions[i]
                     try:

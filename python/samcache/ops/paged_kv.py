@@ -119,12 +119,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_pairs: IndexLike) ->
     block_pairs: CPU int32/int64 ``[n, 2]`` (numpy accepted); destinations distinct; if src and
         dst are the same tensor no destination may also be a source.
 
-    On CUDA the copies are ``cudaMemcpyAsync`` calls on the *current* stream, one per run of
-    consecutive blocks; choose the stream with ``with torch.cuda.stream(s):``. They are
-    asynchronous with respect to the host only when the host side is pinned
-    (``tensor.pin_memory()``), and then the caller must keep ``src`` and ``dst`` alive (and
-    not reuse the host buffer) until the stream has reached the copy, e.g. by waiting on an
-    event recorded after the call.
+    On CUDA the copies run on the *current* stream of the GPU involved; choose it with
+    ``with torch.cuda.stream(s):``. GPU memory and pinned host memory are copied by one kernel
+    for all pairs (pinned memory through its mapped address); pageable host memory, and pinned
+    host memory in runs averaging >= 1 MiB, by ``cudaMemcpyAsync`` per run of consecutive blocks
+    (``SAMCACHE_SWAP_BLOCKS=kernel|memcpy`` forces a path). The call is asynchronous with respect
+    to the host only when the host side is pinned (``tensor.pin_memory()``), and then the caller
+    must keep ``src`` and ``dst`` alive (and not reuse the host buffer) until the stream has
+    reached the copy, e.g. by waiting on an event recorded after the call.
     """
     _check_tensors("swap_blocks", src=src, dst=dst)
     torch.ops.samcache.swap_blocks(src, dst, _index_tensor("swap_blocks", "block_pairs", block_pairs))

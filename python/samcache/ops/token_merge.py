@@ -25,7 +25,9 @@ def token_merge(hidden: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
     hidden: ``[N, D]`` float32/float16/bfloat16.
     target: int64 ``[N]``; ``target[i] == i`` for an anchor, else the anchor ``j`` token ``i``
         merges into (``target[j] == j``).
-    weight: float32 ``[N]``, finite and ``>= 0``; every anchor's members must weigh more than 0.
+    weight: float32 ``[N]``, finite and ``>= 0``; every anchor's members must weigh more than 0,
+        and their float32 total must stay finite. Bad plans raise the same exception with the
+        same message on CPU and CUDA.
 
     ``kept_index`` lists the anchors in ascending order and ``merged[r]`` is the weighted mean
     (accumulated in float32, returned in hidden's dtype) of the tokens whose target is

@@ -5,8 +5,9 @@ for the layer it is about to run (:meth:`LayerLoad.wait`), never for the whole t
 - CPU caches: the native :class:`samcache._C.TransferEngine` (worker threads copying the rows of
   each layer in order, publishing per-layer progress).
 - CUDA caches: a side stream per engine, the host KV (pinned) copied and scattered into the
-  caches on it, one event per layer; ``wait(l)`` makes the compute stream wait for layer l's
-  event (the host never blocks).
+  caches on it (one copy per layer, then one scatter each for K and V), one event per layer;
+  ``wait(l)`` makes the compute stream wait for layer l's event (the host never blocks: every
+  host buffer is pinned, dtype conversions run on the GPU).
 
 ``LayerLoad.copy_seconds`` (worker time) against ``waited_seconds`` (time the step blocked) says
 how much load time was hidden behind compute. On CUDA both are measured on the GPU's clock, with
@@ -130,9 +131,15 @@ class TransferEngine:
         return LayerLoad(self, job, kv, self.num_layers)
 
     def _load_cuda(self, kv: torch.Tensor, slots: np.ndarray) -> LayerLoad:
+        # One host->device copy per layer (the layer's K and V rows are one contiguous piece of kv),
+        # then one scatter each for K and V. Every host buffer is pinned: a copy from pageable memory
+        # (or a dtype conversion on the host, which makes one) would make the host wait for the side
+        # stream, which waits for the compute stream. Dtypes are converted on the GPU.
         device = self.k_cache.device
-        src = kv if kv.device.type == "cuda" or kv.is_pinned() else kv.pin_memory()
-        index = torch.from_numpy(slots).to(device, non_blocking=True)
+        if kv.device.type == "cuda":
+            src = kv
+        else:
+            src = kv if kv.is_pinned() and kv.is_contiguous() else kv.contiguous().pin_memory()
         flat = (self.num_layers, self.rows_per_layer, *self.row_shape)
         k_flat, v_flat = self.k_cache.view(flat), self.v_cache.view(flat)
         events = []
@@ -140,8 +147,11 @@ class TransferEngine:
         begin = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
+            index = torch.from_numpy(slots).pin_memory().to(device, non_blocking=True)
             for layer in range(self.num_layers):
-                part = src[layer].to(device, dtype=self.k_cache.dtype, non_blocking=True)
+                part = src[layer].to(device, non_blocking=True)
+                if part.dtype != self.k_cache.dtype:
+                    part = part.to(self.k_cache.dtype)
                 k_flat[layer].index_copy_(0, index, part[0])
                 v_flat[layer].index_copy_(0, index, part[1])
                 ev = torch.cuda.Event(enable_timing=True)

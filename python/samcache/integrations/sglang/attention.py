@@ -138,7 +138,7 @@ class SamcacheAttnBackend(AttentionBackend):
         hit = step._selected.get(id(rows))
         if hit is None:
             counts = np.diff(np.searchsorted(rows.numpy(), step.qo_indptr))
-            hit = (step.attention.select(rows.to(step.attention.q_pos.device), counts),
+            hit = (step.attention.select(rows.to(step.attention.q_pos.device), counts, host_rows=rows.numpy()),
                    forward_batch.out_cache_loc.index_select(0, rows.to(forward_batch.out_cache_loc.device)))
             step._selected[id(rows)] = hit
         return hit
