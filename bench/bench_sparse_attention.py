@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--cases", default="suffix,sparse,decode", help="which parts to run (comma-separated)")
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
+    if not cases <= {"suffix", "sparse", "decode"}:
+        ap.error(f"--cases takes suffix, sparse and decode, got {sorted(cases - {'suffix', 'sparse', 'decode'})}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = args.device
@@ -91,7 +94,6 @@ def main() -> None:
     ctx = SimpleNamespace(dev=dev, cuda=cuda, n=n, nb=nb, bs=bs, hq=hq, hkv=hkv, d=d, g=g, dtype=dtype, scale=scale,
                           timed=timed, i32=i32, gen=gen, q_all=q_all, kc=kc, vc=vc, k_full=k_full, v_full=v_full,
                           k_rep=k_rep, v_rep=v_rep, table=table, meta_for=meta_for)
-    cases = set(args.cases.split(","))
     if "suffix" in cases:
         results["suffix"] = bench_suffix(ctx)
     if "sparse" in cases:

@@ -205,3 +205,36 @@ def test_batch_benchmark_runs(tiny_checkpoints, tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["identical_outputs"] is True and r["sessions"] == 3 and len(r["computed_tokens"]) == 3
     assert all(c < p for c, p in zip(r["computed_tokens"], r["prompt_tokens"]))  # 3 of 4 screenshots reused
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_projection_rotates_q_and_k_exactly_as_rotate_half(tiny_checkpoints, family, dtype):
+    """The runner rotates q and k together with rotate_half's sign folded into sin: bit for bit
+    the model's own ``x * cos + rotate_half(x) * sin`` (qk-norm families included)."""
+    from samcache.engine.families import get_family
+    from samcache.engine.runner import ModelRunner, _signed_sin
+
+    runner = ModelRunner(tiny_checkpoints[family], get_family(family), device=torch.device("cpu"), dtype=dtype,
+                         block_size=16, num_blocks=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, runner.hidden_size, generator=g).to(dtype)
+    positions = torch.randint(0, 500, (3, 37), generator=g)
+    cos, sin = runner.rope(positions, x)
+    q, k, v = runner._project(0, x, cos, _signed_sin(sin))
+    from samcache.engine.linear import linear
+
+    attn = runner.layers[0].self_attn
+    qkv = linear(x, *runner._qkv[0])  # the same fused projection: the rotation alone is compared
+    nq, nk = runner.num_heads * runner.head_dim, runner.num_kv_heads * runner.head_dim
+    want = [t.reshape(37, -1, runner.head_dim) for t in (qkv[:, :nq], qkv[:, nq: nq + nk], qkv[:, nq + nk:])]
+    if runner.family.qk_norm:
+        want[0], want[1] = attn.q_norm(want[0]), attn.k_norm(want[1])
+
+    def rotate_half(t):
+        half = t.shape[-1] // 2
+        return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+    c, s = cos[:, None, :], sin[:, None, :]
+    for got, ref in ((q, want[0] * c + rotate_half(want[0]) * s), (k, want[1] * c + rotate_half(want[1]) * s), (v, want[2])):
+        assert torch.equal(got, ref)

@@ -48,7 +48,7 @@ def interpreted(monkeypatch):
     return attention_triton
 
 
-def _poisoned_call(module, q, meta, kc, vc, **kw):
+def _shaped_call(module, q, meta, kc, vc, **kw):
     out, lse = module.paged_attention(q, meta, kc, vc, **kw)
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     return out, lse
@@ -73,7 +73,7 @@ def test_triton_matches_reference(interpreted, dtype, shape, window, cap):
     ref_out, ref_lse = reference(q, meta, kc, vc, scale, window, cap)
     tol = DTYPES[dtype]
     for config in ({}, {"splits": 3, "block_m": 16, "block_n": 16}):  # the defaults; forced splits, small tiles
-        out, lse = _poisoned_call(interpreted, q, meta, kc, vc, scale=scale, window=window, logit_cap=cap,
+        out, lse = _shaped_call(interpreted, q, meta, kc, vc, scale=scale, window=window, logit_cap=cap,
                                   max_rows_per_seq=max(rows), config=config)
         assert out.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
@@ -116,8 +116,9 @@ def test_triton_inconsistent_metadata_gives_nan(interpreted, splits):
     q, meta, kc, vc = make_batch(8, [64], [4], 0, 16, 1, 2, 64, torch.float16)
     ref_out, _ = reference(q, meta, kc, vc, 64**-0.5, -1, 0.0)
     for bad, nan_rows, change in _bad_metadata_cases(meta, "cpu"):
-        out, lse = interpreted.paged_attention(q, bad, kc, vc, scale=64**-0.5, window=-1, logit_cap=0.0,
-                                               config={"splits": splits})
+        # The kernels alone: on the CPU the op's checks would read this metadata and refuse it.
+        out, lse = interpreted._launch(q, bad, kc, vc, scale=64**-0.5, window=-1, logit_cap=0.0, max_rows_per_seq=None,
+                                       config={"splits": splits})
         ok_rows = [r for r in range(q.shape[0]) if r not in nan_rows]
         assert out[nan_rows].isnan().all() and lse[nan_rows].isnan().all(), change
         assert not out[ok_rows].isnan().any(), change
@@ -259,3 +260,22 @@ def test_host_arrays_upload_in_one_copy(device):
     assert [t.cpu().tolist() for t in got] == [[3, 1, 2], [], [7], [0, 1, 2, 3, 4]]
     assert all(t.is_contiguous() for t in got)
     assert upload([], np.int64, device) == []
+    with pytest.raises(ValueError, match="must hold integers"):
+        upload([np.array([0.5])], np.int32, device)
+    with pytest.raises(ValueError, match="outside int32"):
+        upload([np.array([2**40])], np.int32, device)
+    with pytest.raises(ValueError, match="integer type"):
+        upload([np.array([1])], np.float32, device)
+
+
+def test_triton_launch_settings_are_checked(interpreted):
+    q, meta, kc, vc = make_batch(5, [40], [3], 1, 16, 1, 2, 16, torch.float32)
+    call = lambda **kw: interpreted.paged_attention(q, meta, kc, vc, scale=0.25, window=-1, logit_cap=0.0, **kw)  # noqa: E731
+    for config, match in (({"block_k": 32}, "unknown Triton launch settings"), ({"splits": 0}, "must be an int >= 1"),
+                          ({"block_n": 48}, "power of two"), ({"num_warps": 2.0}, "must be an int")):
+        with pytest.raises(ValueError, match=match):
+            call(config=config)
+    with pytest.raises(ValueError, match="max_rows_per_seq"):
+        call(max_rows_per_seq=-1)
+    with pytest.raises(ValueError, match="q must be"):  # the op's own checks, as sparse_attention runs them
+        interpreted.paged_attention(q[0], meta, kc, vc, scale=0.25, window=-1, logit_cap=0.0)

@@ -24,6 +24,7 @@ import torch
 from samcache.block_pool import slot_ids
 from samcache.compression.compaction import Compaction
 from samcache.compression.settings import CompressionSettings
+from samcache.ops.host_arrays import upload
 from samcache.ops.sparse_attention import AttentionMetadata
 
 
@@ -133,7 +134,7 @@ class StepBatch:
         kv_lens = [s.num_kv_tokens for s in steps]
         meta = AttentionMetadata.build([s.rows for s in steps], tables, kv_lens, block_size, device)
         all_index = torch.arange(int(offsets[-1]), device=device)
-        slots_t = torch.from_numpy(slots).to(device)
+        slots_t, logit_rows = upload([slots, offsets[1:] - 1], np.int64, device)  # one copy, no stream sync
 
         # Deepstack features of all sequences, concatenated; rows index into them.
         ds_rows, ds_feats = None, None
@@ -153,7 +154,7 @@ class StepBatch:
         embeds = torch.cat([s.embeds for s in steps]) if len(steps) > 1 else steps[0].embeds
         positions = torch.cat([s.positions for s in steps], dim=1) if len(steps) > 1 else steps[0].positions
         batch = cls(embeds=embeds, positions=positions.to(device), all_rows=None, layers=[None] * num_layers,  # type: ignore[arg-type]
-                    logit_rows=torch.from_numpy(offsets[1:] - 1).to(device), deepstack_features=ds_feats,
+                    logit_rows=logit_rows, deepstack_features=ds_feats,
                     before_layer=[s.before_layer for s in steps if s.before_layer is not None],
                     deepstack_rows=ds_rows, steps=list(steps), offsets=offsets, block_size=block_size)
         batch.all_rows = RowSubset(all_index, slots_t, meta, *batch._visual(None))
@@ -222,7 +223,7 @@ class StepBatch:
             key = (index.tobytes(), tuple(id(s.compaction.removed[layer]) if s.compaction is not None else 0
                                           for s in steps))
             if previous is None or previous[0] != key:  # else: the layer above's plan
-                idx = torch.from_numpy(index).to(device)
+                idx, = upload([index], np.int64, device)
                 if compacted:
                     where = [active if s.compaction is None else s.compaction.slots(layer, active)
                              for s, active in zip(steps, kept)]

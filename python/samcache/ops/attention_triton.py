@@ -203,15 +203,27 @@ def _combine_kernel(Out, Lse, PartO, PartML, num_slots, num_splits,
     tl.store(Lse + slot, tl.where(fail, float("nan"), (m_max + tl.log2(tl.where(fail, 1.0, total))) * LN2))
 
 
-def available() -> bool:
-    return True
-
-
 def _nan_filled(shape, **kwargs) -> torch.Tensor:
     return torch.full(shape, float("nan"), **kwargs)
 
 
 _uninitialised = torch.empty  # tests swap in a poisoning allocator: every element must be written
+
+
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "splits")
+
+
+def _checked_config(config: dict | None) -> dict:
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown Triton launch settings {unknown}; known: {list(CONFIG_KEYS)}")
+    for key, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config[{key!r}] must be an int >= 1, got {value!r}")
+        if key in ("block_m", "block_n") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"config[{key!r}] must be a power of two >= 16, got {value}")
+    return config
 
 
 def _pow2(x: int) -> int:
@@ -245,13 +257,28 @@ def _sm_count(device: torch.device) -> int:
 
 def paged_attention(q, meta, key_cache, value_cache, *, scale: float, window: int, logit_cap: float,
                     max_rows_per_seq: int | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sparse_attention`` (same contract) through the Triton kernels. ``max_rows_per_seq``:
-    the most rows one sequence has, when the host knows it (sizes the tiles). ``config``
-    overrides the launch choices (``block_m``, ``block_n``, ``num_warps``, ``num_stages``,
-    ``splits``): for benchmarks."""
-    config = config or {}
+    """``sparse_attention`` (same contract, same argument checks) through the Triton kernels.
+    ``max_rows_per_seq``: the most rows one sequence has, when the host knows it (sizes the
+    tiles). ``config`` overrides the launch choices (``CONFIG_KEYS``, each a positive int; block
+    sizes powers of two >= 16): for benchmarks."""
+    config = _checked_config(config)
+    if max_rows_per_seq is not None and (isinstance(max_rows_per_seq, bool) or not isinstance(max_rows_per_seq, int)
+                                         or max_rows_per_seq < 0):
+        raise ValueError(f"max_rows_per_seq must be an int >= 0 or None, got {max_rows_per_seq!r}")
+    torch.ops.samcache.sparse_attention_check(q, meta.q_pos, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                              meta.kv_last_page_len, key_cache, value_cache, float(scale),
+                                              float(logit_cap), int(meta.max_kv_len))
+    return _launch(q, meta, key_cache, value_cache, scale=scale, window=window, logit_cap=logit_cap,
+                   max_rows_per_seq=max_rows_per_seq, config=config)
+
+
+def _launch(q, meta, key_cache, value_cache, *, scale: float, window: int, logit_cap: float,
+            max_rows_per_seq: int | None, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels behind :func:`paged_attention`'s checks. Metadata values are never read on the
+    host here: the kernel's own guards handle inconsistent device metadata (its tests call this
+    with such metadata on the CPU, where the checks would read and refuse it)."""
     num_rows, num_q_heads, head_dim = q.shape
-    num_blocks, page, num_kv_heads, cache_dim = key_cache.shape
+    num_blocks, page, num_kv_heads, _ = key_cache.shape
     # Metadata built on the host was checked there, so every row lies in some tile and is written;
     # device metadata may leave rows uncovered, which must read NaN (two more launches).
     covered = meta.host is not None
@@ -316,4 +343,4 @@ def _tile_indptr(qo_indptr: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tiles.new_zeros(1), tiles.cumsum(0)])
 
 
-__all__ = ["available", "num_splits", "paged_attention", "tile_shape"]
+__all__ = ["CONFIG_KEYS", "num_splits", "paged_attention", "tile_shape"]

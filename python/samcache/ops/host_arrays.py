@@ -17,7 +17,18 @@ def upload(arrays: Sequence[np.ndarray], dtype: np.dtype, device: torch.device |
     """``arrays`` as 1-D tensors of ``dtype`` on ``device``: contiguous views of one buffer that
     arrived in one non-blocking copy (on the CPU, views of one host tensor)."""
     device = torch.device(device)
-    parts = [np.asarray(a, dtype=dtype).ravel() for a in arrays]
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        raise ValueError(f"upload copies index arrays: dtype must be an integer type, got {dtype}")
+    info = np.iinfo(dtype)
+    parts = []
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"array {i} must hold integers, got {a.dtype}")
+        if a.size and (a.min() < info.min or a.max() > info.max):
+            raise ValueError(f"array {i} has values outside {dtype} ({a.min()} .. {a.max()})")
+        parts.append(a.astype(dtype, copy=False).ravel())
     flat = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=dtype))
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)  # torch keeps the pinned buffer until the copy ran

@@ -249,8 +249,8 @@ def sparse_attention(
     if chosen == "native":
         return torch.ops.samcache.sparse_attention(*args, float(scale), int(window), float(logit_cap),
                                                    int(meta.max_kv_len))
-    torch.ops.samcache.sparse_attention_check(*args, float(scale), float(logit_cap), int(meta.max_kv_len))
-    if chosen == "flash":
+    if chosen == "flash":  # the layout came from the host's checked metadata; the tensors are checked here
+        torch.ops.samcache.sparse_attention_check(*args, float(scale), float(logit_cap), int(meta.max_kv_len))
         return attention_flash.run(q, _flash_layout(meta, q.device), key_cache, value_cache, scale=float(scale),
                                    window=int(window))
     rows_bound = meta.host.max_rows_per_seq if meta.host is not None else q.shape[0]  # T bounds any sequence's rows

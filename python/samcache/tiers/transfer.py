@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from samcache._checks import check_int
+from samcache.ops.host_arrays import upload
 
 
 class LayerLoad:
@@ -147,7 +148,7 @@ class TransferEngine:
         begin = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
-            index = torch.from_numpy(slots).pin_memory().to(device, non_blocking=True)
+            index, = upload([slots], np.int64, device)  # pinned, on the side stream
             for layer in range(self.num_layers):
                 part = src[layer].to(device, non_blocking=True)
                 if part.dtype != self.k_cache.dtype:
