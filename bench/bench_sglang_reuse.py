@@ -116,11 +116,11 @@ def main() -> None:
             outs[name] = out.next_token_logits
     med = {k: statistics.median(v) for k, v in times.items()}
     layers = config.text_config.num_hidden_layers
-    scheduled = s.scheduled_tokens
-    token_layers = (scheduled - s.reused_tokens) * layers + s.recomputed_token_layers
+    scheduled = s.prompt_tokens
+    token_layers = (scheduled - s.image_reused_tokens) * layers + s.recomputed_token_layers
     result = dict(
         device="cpu", threads=args.threads, reps=args.reps, recompute_ratio=args.recompute,
-        prompt_tokens=len(second_ids), image_tokens=s.reused_tokens, images_reused=s.images_reused,
+        prompt_tokens=len(second_ids), image_tokens=s.image_reused_tokens, image_kv_hits=s.image_kv_hits,
         first_layer_rows=dict(stock=scheduled, samcache=s.computed_tokens, ratio=s.computed_tokens / scheduled),
         token_layers=dict(stock=scheduled * layers, samcache=token_layers, ratio=token_layers / (scheduled * layers)),
         step_seconds=med, step_ratio_vs_stock={k: v / med["stock"] for k, v in med.items()},

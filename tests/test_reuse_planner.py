@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
+from samcache.recompute import TwoTrack
 
 # A 100-token prompt: text [0, 10), image A [10, 50), text [50, 55), image B [55, 95), text [95, 100).
 A = ImageSlot(index=0, start=10, length=40, key="A", position=10)
@@ -59,7 +60,7 @@ def test_the_last_token_is_always_computed():
 
 
 def test_the_budget_recomputes_nested_sets_shrinking_with_depth():
-    budget = RecomputeBudget(rates=(0.5, 0.25, 0.1), head_fraction=0.1, track2_share=0.0, relevance=False)
+    budget = RecomputeBudget(rates=(0.5, 0.25, 0.1), method=TwoTrack(head_fraction=0.1, track2_share=0.0, relevance=False))
     plan = plan_reuse(LAYOUT, cached={"A": CachedImage(40, 0), "B": CachedImage(40, 5)}, budget=budget, num_layers=3)
     assert plan.recompute.quota == (40, 20, 8)  # ceil(rate x 80 reused tokens)
     sets = [set(r.tolist()) - set(plan.new_rows.tolist()) for r in plan.layer_rows]
@@ -72,7 +73,7 @@ def test_the_budget_recomputes_nested_sets_shrinking_with_depth():
 
 
 def test_track_two_follows_the_relevance_scores():
-    budget = RecomputeBudget(rates=(0.1,), head_fraction=0.05, track2_share=0.5)
+    budget = RecomputeBudget(rates=(0.1,), method=TwoTrack(head_fraction=0.05, track2_share=0.5))
     plan = plan_reuse(LAYOUT, cached={"B": CachedImage(40, 60)}, budget=budget, num_layers=1)
     assert plan.needs_scores  # track 2 wants scores; without them it keeps position order
     scores = np.zeros(100)
@@ -85,17 +86,17 @@ def test_track_two_follows_the_relevance_scores():
 
 
 def test_heads_only_stops_at_the_span_heads():
-    budget = RecomputeBudget(rates=(1.0, 1.0), head_fraction=0.1, tracks="heads")
+    budget = RecomputeBudget(rates=(1.0, 1.0), method=TwoTrack(head_fraction=0.1, tracks="heads"))
     plan = plan_reuse(LAYOUT, cached={"A": CachedImage(40, 0)}, budget=budget, num_layers=2)
     assert plan.recompute.quota == (4, 4) and not plan.needs_scores
 
 
 def test_recomputing_every_reused_token_at_every_layer_is_exact():
-    budget = RecomputeBudget(rates=(1.0, 1.0), relevance=False)
+    budget = RecomputeBudget(rates=(1.0, 1.0), method=TwoTrack(relevance=False))
     plan = plan_reuse(LAYOUT, cached={"A": CachedImage(40, 0)}, budget=budget, num_layers=2)
     assert plan.exact_tokens == 100 and all(r.size == 100 for r in plan.layer_rows)
     partial = plan_reuse(LAYOUT, cached={"A": CachedImage(40, 0)},
-                         budget=RecomputeBudget(rates=(1.0, 0.9), relevance=False), num_layers=2)
+                         budget=RecomputeBudget(rates=(1.0, 0.9), method=TwoTrack(relevance=False)), num_layers=2)
     assert partial.exact_tokens == 10
 
 
@@ -121,9 +122,9 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="non-increasing"):
         RecomputeBudget(rates=(0.1, 0.2))
     with pytest.raises(ValueError, match="tracks"):
-        RecomputeBudget(rates=(0.1,), tracks="all")
+        TwoTrack(tracks="all")
     with pytest.raises(ValueError, match="head_fraction"):
-        RecomputeBudget(rates=(0.1,), head_fraction=2)
+        TwoTrack(head_fraction=2)
     with pytest.raises(ValueError, match="has index 5: images are numbered in prompt order"):
         plan_reuse(PromptLayout(100, (ImageSlot(5, 10, 40, "A", 10),)), num_layers=1)
     with pytest.raises(ValueError, match="ImageSlot.start must be an int"):
@@ -132,3 +133,35 @@ def test_bad_input_is_refused():
         ImageSlot(0, 10, 0, "A", 10)
     with pytest.raises(ValueError, match="CachedImage.position must be an int >= 0"):
         CachedImage(40, -1)
+
+
+def test_plan_request_looks_up_the_images_past_the_prefix_once_each_and_counts_them():
+    from samcache.engine.metrics import TurnMetrics
+    from samcache.reuse import ReuseCounters, plan_request
+
+    layout = PromptLayout(100, (ImageSlot(0, 2, 8, "P", 2), ImageSlot(1, 20, 10, "A", 20),
+                                ImageSlot(2, 40, 10, "B", 40), ImageSlot(3, 60, 10, "A", 60)))
+    asked = []
+
+    def lookup(slot):
+        asked.append(slot.key)
+        return (CachedImage(10, 0, index=1), f"entry {slot.key}") if slot.key == "A" else None
+
+    request = plan_request(layout, prefix_tokens=12, lookup=lookup, budget=None, num_layers=2)
+    assert asked == ["A", "B"]  # P is in the prefix; A shown twice is looked up once
+    assert request.hits == {"A": "entry A"} and [s.key for s in request.misses] == ["B"]
+    assert request.looked_up == 3 and request.hit_images == 2
+    assert [(s.image, s.moved) for s in request.plan.spliced] == [(1, False), (3, True)]
+    assert request.recompute_rows(0).size == 0
+    counters = ReuseCounters()
+    counters.count(request)
+    counters.count(request, scheduled_tokens=10)
+    assert (counters.prompt_tokens, counters.image_reused_tokens, counters.image_kv_hits, counters.image_kv_misses) == (
+        88 + 10, 40, 4, 2)
+    # One vocabulary: every reuse counter a turn also has is named as the turn's metrics name it.
+    shared = set(counters.counters()) - {"steps", "computed_tokens", "images_saved"}
+    assert shared <= set(TurnMetrics.__dataclass_fields__)
+    off = plan_request(layout, prefix_tokens=12, lookup=None, budget=None, num_layers=2)
+    assert off.looked_up == 0 and not off.plan.spliced and not off.misses
+    with pytest.raises(TypeError, match=r"lookup must return \(CachedImage, entry\)"):
+        plan_request(layout, prefix_tokens=0, lookup=lambda s: ((10, 0), None), budget=None, num_layers=2)

@@ -67,7 +67,7 @@ def test_calibration_pairs_are_consecutive_turns_that_reuse_an_image():
         calibration_pairs([visual_qa.trace(3, scenario="gui", turns=3, window=1)])
 
 
-@pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["vllm"]),
+@pytest.mark.parametrize("bad", [dict(modes=["nope"]), dict(recompute=[1.5]), dict(modes=["new-only"]),
                                  dict(traces=[]), dict(max_new_tokens=0), dict(track2_shares=[1.5]),
                                  dict(track2_shares="half"), dict(track2_shares=[])])
 def test_refuses_bad_arguments(model, bad):
@@ -269,3 +269,33 @@ def test_paired_difference_counts_turns_each_run_alone_got_right():
     assert same["difference"] == 0 and same["interval"] == (0.0, 0.0)
     with pytest.raises(ValueError, match="same turns"):
         paired_difference(a, run([1, 1]))
+
+
+def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kept(model):
+    from samcache.eval.task_accuracy import comparisons, reuse_kept
+
+    traces = [visual_qa.trace(1, scenario="gui", turns=3, window=2)]
+    out = evaluate_traces(model, traces, modes=["baseline", "uniform-budget"], recompute=[0.0, 0.5],
+                          methods="boundary,isolated", calibrate=False, max_new_tokens=2, fidelity=False,
+                          keep_image_order=False, progress=False)
+    assert [(r["mode"], r["method"], r["recompute"]) for r in out["runs"]] == [
+        ("baseline", None, None), ("uniform-budget", "boundary", 0.0), ("uniform-budget", "boundary", 0.5),
+        ("uniform-budget", "isolated", 0.0), ("uniform-budget", "isolated", 0.5)]
+    runs = {(r["method"], r["recompute"]): r for r in out["runs"]}
+    layers = runs["boundary", 0.0]["num_layers"]
+    assert layers == 2
+    free, half = runs["boundary", 0.0], runs["boundary", 0.5]
+    assert sum(t["recomputed_token_layers"] for t in free["turns"]) == 0
+    assert reuse_kept(free, free) == 1.0
+    reused = sum(t["image_reused_tokens"] for t in half["turns"]) * layers
+    recomputed = sum(t["recomputed_token_layers"] for t in half["turns"])
+    assert 0 < recomputed < reused and reuse_kept(half, free) == pytest.approx(1 - recomputed / reused)
+    # Isolated KV costs one more pass over each new image (its frame token too), after the first token.
+    first_images = sum(t["isolated_tokens"] for t in runs["isolated", 0.0]["turns"])
+    assert first_images > 0 and sum(t["isolated_tokens"] for t in free["turns"]) == 0
+    rows = {c["a"]: c for c in comparisons(out) if c["b"] == "baseline"}
+    assert set(rows) == {"uniform-budget boundary @ 0", "uniform-budget boundary @ 0.5", "uniform-budget isolated @ 0",
+                         "uniform-budget isolated @ 0.5"}
+    assert rows["uniform-budget boundary @ 0.5"]["reuse_kept"] == pytest.approx(reuse_kept(half, free))
+    with pytest.raises(ValueError, match="unknown recompute method"):
+        evaluate_traces(model, traces, modes=["samcache"], methods="blend", calibrate=False, progress=False)

@@ -39,12 +39,27 @@ def test_a_few_steps_write_a_loadable_checkpoint(tmp_path):
     model_class("qwen2_5_vl").from_pretrained(tmp_path)
 
 
+@pytest.mark.cuda
+def test_a_few_steps_on_cuda_write_the_same_kind_of_checkpoint(tmp_path):
+    import torch
+
+    report = train(tmp_path, TrainConfig(steps=2, batch_size=2, eval_every=2, eval_examples=2, warmup=1,
+                                         vision_steps=2, vision_batch_size=2, size=(84, 84), curriculum=((2, 1.0),),
+                                         model_sizes=SIZES, device="cuda"), progress=False)
+    assert report["config"]["device"] == "cuda" and report["curve"][0]["step"] == 2
+    from samcache.models import model_class
+
+    model = model_class("qwen2_5_vl").from_pretrained(tmp_path)
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_curriculum_stages():
     config = TrainConfig(steps=10, curriculum=((1, 0.5), (4, 0.5)))
     assert [config.images_at(s) for s in range(10)] == [1] * 5 + [4] * 5
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=0), dict(vision_steps=-1), dict(answer_weight=0.0)])
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=0), dict(vision_steps=-1), dict(answer_weight=0.0),
+                                 *([dict(device="cuda")] if not __import__("torch").cuda.is_available() else [])])
 def test_bad_config_is_refused(tmp_path, bad):
     with pytest.raises(ValueError):
         train(tmp_path, TrainConfig(**bad), progress=False)

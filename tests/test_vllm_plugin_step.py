@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from samcache.hashing import Namespace
+from samcache.recompute import TwoTrack
 from samcache.integrations.vllm.config import SamcacheVllmConfig
 from samcache.integrations.vllm.identity import content_identifier, store_key
 from samcache.integrations.vllm.step import (ImageKV, ImageRef, RequestStep, Rotary, plan_forward)
@@ -91,7 +92,7 @@ def build(tenant="t", stored_tenant="t", ratio=0.0, first_slot_ok=True, seed=0):
     positions = torch.cat([pos0, torch.arange(0, 5).repeat(3, 1)], dim=1)
     steps = [RequestStep("r0", 2 if first_slot_ok else 3, 14, blocks0, (ImageRef(ident, 5, 6),), tenant),
              RequestStep("r1", 0, 5, blocks1, (), tenant)]
-    budget = RecomputeBudget(rates=(ratio,) * L, relevance=False)
+    budget = RecomputeBudget(rates=(ratio,) * L, method=TwoTrack(relevance=False))
     writer = Writer()
     step = plan_forward(steps, attn_metadata=md, positions=positions, cache=writer, rotary=ROTARY, store=store,
                         model_id=MODEL, budget=budget, num_layers=L)
@@ -110,7 +111,7 @@ def test_a_stored_image_is_rotated_to_its_new_positions_and_written_at_its_slots
     # every layer computes everything but the image (ratio 0): rows 0-2, 9-18
     expect = torch.tensor([0, 1, 2, *range(9, 19)])
     assert all(torch.equal(r, expect) for r in step.rows)
-    assert step.stats["reused_tokens"] == 6 and step.stats["computed_tokens"] == 19 - 6
+    assert step.stats["image_reused_tokens"] == 6 and step.stats["computed_tokens"] == 19 - 6
 
 
 def test_recompute_rows_shrink_with_depth_and_attention_runs_see_exactly_their_keys():
@@ -126,7 +127,7 @@ def test_recompute_rows_shrink_with_depth_and_attention_runs_see_exactly_their_k
     steps = [RequestStep("r0", 2, 14, (7, 3, 9, 4), (ImageRef(ident, 5, 6),), "t"),
              RequestStep("r1", 0, 5, (1, 2), (), "t")]
     fs = step_mod.plan_forward(steps, attn_metadata=md, positions=positions, cache=Writer(), rotary=ROTARY,
-                               store=store, model_id=MODEL, budget=RecomputeBudget(rates=budget_rates, relevance=False),
+                               store=store, model_id=MODEL, budget=RecomputeBudget(rates=budget_rates, method=TwoTrack(relevance=False)),
                                num_layers=L)
     counts = [r.numel() for r in fs.rows]
     assert counts == sorted(counts, reverse=True) and counts[0] == 19 and counts[-1] < counts[1] < 19
@@ -235,3 +236,94 @@ def test_lora_and_scaled_rope_are_refused_at_start_up():
         check_engine_config(config(lora=object()))
     with pytest.raises(ValueError, match="unscaled M-RoPE only"):
         check_engine_config(config(rope={"rope_type": "yarn", "factor": 4.0, "mrope_section": [16, 24, 24]}))
+
+
+def _two_image_step(store, keep_image_order, budget=None):
+    """Request 0 (rows 0..13, tokens [2, 16)): images A at [3, 6) (index 0) and B at [8, 14)
+    (index 1, the one the tests store); request 1: 5 text tokens."""
+    _, _, _, _, md, positions = build()
+    steps = [RequestStep("r0", 2, 14, (7, 3, 9, 4), (ImageRef(content_identifier("aaa"), 3, 3),
+                                                     ImageRef(content_identifier("abc123"), 8, 6)), "t"),
+             RequestStep("r1", 0, 5, (1, 2), (), "t")]
+    return plan_forward(steps, attn_metadata=md, positions=positions, cache=Writer(), rotary=ROTARY, store=store,
+                        model_id=MODEL, budget=budget, num_layers=L, keep_image_order=keep_image_order)
+
+
+def test_keep_image_order_keys_image_kv_by_content_and_index():
+    from samcache.hashing import hash_bytes
+    from samcache.reuse import image_key
+
+    ns = Namespace(MODEL, "t")
+    content = hash_bytes(content_identifier("abc123").encode())
+    g = torch.Generator().manual_seed(3)
+    entry = ImageKV(torch.randn(L, 6, H, D, generator=g), torch.randn(L, 6, H, D, generator=g), image_positions(20))
+    # Stored as the first image of its prompt: at index 1 it is not reused when the order is kept...
+    store = TensorStore("s", 1 << 20)
+    store.put(image_key(ns, content, 0, True), entry, check=(6,))
+    kept = _two_image_step(store, keep_image_order=True)
+    assert kept.stats["image_reused_tokens"] == 0 and kept.rows is None
+    assert {s.key for s in kept.saves} == {image_key(ns, content, 1, True),
+                                           image_key(ns, hash_bytes(content_identifier("aaa").encode()), 0, True)}
+    assert [s.index for s in kept.saves] == [0, 1]  # the saved entries remember their index
+    # ... and it is, at any index, when the order is not kept (keyed by content alone: store_key).
+    store.put(store_key(content_identifier("abc123"), ns), entry, check=(6,))
+    free = _two_image_step(store, keep_image_order=False)
+    assert free.stats["image_reused_tokens"] == 6 and free.stats["image_kv_hits"] == 1
+    assert free.stats["image_kv_misses"] == 1  # A
+
+
+def test_the_plugin_orders_recompute_by_the_same_per_request_path_as_the_engine():
+    """Boundary at 0.5: the stored entry remembers index 0, the image is at index 1 (moved), so the
+    first half of it is recomputed at every layer, front to back, exactly as plan_request says."""
+    from samcache.recompute import Boundary
+    from samcache.reuse import CachedImage, ImageSlot, PromptLayout, plan_request
+
+    ns = Namespace(MODEL, "t")
+    g = torch.Generator().manual_seed(4)
+    entry = ImageKV(torch.randn(L, 6, H, D, generator=g), torch.randn(L, 6, H, D, generator=g), image_positions(20), 0)
+    store = TensorStore("s", 1 << 20)
+    store.put(store_key(content_identifier("abc123"), ns), entry, check=(6,))
+    budget = RecomputeBudget((0.5,) * L, Boundary())
+    step = _two_image_step(store, keep_image_order=False, budget=budget)
+    # The same request through plan_request directly (A missed, B held at index 0).
+    layout = PromptLayout(16, (ImageSlot(0, 3, 3, "A", 3), ImageSlot(1, 8, 6, "B", 8)))
+    request = plan_request(layout, prefix_tokens=2, budget=budget, num_layers=L,
+                           lookup=lambda s: (CachedImage(6, 20, 0), None) if s.key == "B" else None)
+    assert request.plan.spliced[0].moved and request.hit_images == 1 and len(request.misses) == 1
+    for layer in range(L):
+        rows = set(step.rows[layer].tolist())
+        recomputed = request.recompute_rows(layer) - 2  # token -> flattened row of request 0
+        assert set(recomputed.tolist()) <= rows and recomputed.tolist() == [6, 7, 8]
+        assert not ({9, 10, 11} & rows)  # the rest of B is spliced, not computed
+    assert step.stats["recomputed_token_layers"] == request.plan.recomputed_token_layers == 3 * L
+
+
+def test_plugin_settings_take_curves_and_the_order_setting(tmp_path):
+    import json
+
+    from samcache.recompute import SensitivityCurves
+    from samcache.recompute.image_order import ImageOrderCheck
+
+    rates = np.array([0.0, 0.05, 0.1, 0.2])
+    order = ImageOrderCheck(rates=rates, agreed=np.array([[90.0, 90.0], [93.0, 93.0], [95.0, 95.0], [97.0, 97.0]]),
+                            confident=100, pairs=3)
+    # Layer 0 repairs most, layer 2 not at all: the solved rates put the budget early.
+    curves = SensitivityCurves(rates=rates, loss=np.array([[1.0, 0.5, 0.2, 0.0], [1.0, 0.9, 0.8, 0.7],
+                                                           [1.0, 1.0, 1.0, 1.0]]), image_order=order)
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps(curves.to_dict("whatever")))
+    cfg = SamcacheVllmConfig.from_extra_config({"recompute_ratio": 0.1, "sensitivity": str(path)})
+    assert cfg.keep_image_order == "auto" and cfg.keeps_image_order(3)  # agreement 0.95 < 0.99: keep it
+    assert cfg.layer_rates(3) == (0.2, 0.1, 0.0)  # as the engine solves them
+    assert not SamcacheVllmConfig.from_extra_config({"sensitivity": str(path), "keep_image_order": False}
+                                                    ).keeps_image_order(3)
+    assert not SamcacheVllmConfig.from_extra_config({}).keeps_image_order(3)  # auto without curves: any index
+    assert SamcacheVllmConfig.from_extra_config({"keep_image_order": True}).keeps_image_order(3)
+    with pytest.raises(ValueError, match="keep_image_order must be True, False or 'auto'"):
+        SamcacheVllmConfig.from_extra_config({"keep_image_order": "yes"})
+    with pytest.raises(ValueError, match="sensitivity must be the path of a curves JSON"):
+        SamcacheVllmConfig.from_extra_config({"sensitivity": 3})
+    with pytest.raises(ValueError, match="sensitivity curves have 3 layers, the model has 4"):
+        cfg.layer_rates(4)
+    with pytest.raises(ValueError, match="cannot read the curves file"):
+        SamcacheVllmConfig.from_extra_config({"sensitivity": str(tmp_path / "none.json")}).layer_rates(3)

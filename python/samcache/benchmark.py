@@ -47,6 +47,7 @@ import torch
 from samcache._checks import check_int
 from samcache.engine.prompt import user_message
 from samcache.engine.synthetic import screenshot
+from samcache.recompute.method import parse_methods
 from samcache.workloads import Trace
 
 
@@ -247,6 +248,7 @@ def run_benchmark(
     threads: int | None = None,
     vllm_python: str | None = None,
     peer_log_dir=None,
+    methods: Sequence[str] | str | None = None,
 ) -> dict[str, Any]:
     """Run ``trace`` once per (mode, ratio) and return the results (JSON-ready).
 
@@ -258,6 +260,8 @@ def run_benchmark(
     ``threads`` sets torch's CPU threads (and binds a peer's worker to as many cores). Peer modes
     (``vllm``) run in their own process, before the samcache modes on odd plays and after them on
     even ones (``vllm_python``: that engine's Python; ``peer_log_dir``: where its log goes).
+    ``methods``: repair methods (:mod:`samcache.recompute.method`) each recompute mode runs with,
+    each its own run named ``mode[method]`` (None: the engine's default).
     """
     from samcache.engine import SAMcacheEngine
 
@@ -287,11 +291,13 @@ def run_benchmark(
     base = {"device": device, "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, **(engine_kwargs or {})}
     shared = SAMcacheEngine(model_path, **{**base, "kv_cache_bytes": 1 << 20})  # holds the weights for all
     base["share_weights_with"] = shared
-    runs = [(m, r, k) for m in modes if not MODES[m].peer for r in (recompute if MODES[m].recomputes else [None])
+    method_names = [None] if methods is None else parse_methods(methods)
+    runs = [(m, r, k, a) for m in modes if not MODES[m].peer for a in (method_names if MODES[m].recomputes else [None])
+            for r in (recompute if MODES[m].recomputes else [None])
             for k in (keeps if not MODES[m].new_content_only else [None])]
     curves = None
     meta: dict[str, Any] = {}
-    if any(MODES[m].reads_curves for m, _, _ in runs) and calibrate:
+    if any(MODES[m].reads_curves for m, _, _, _ in runs) and calibrate:
         probe = SAMcacheEngine(model_path, **base)
         t0 = time.perf_counter()
         curves = probe.calibrate(progress=progress)
@@ -306,14 +312,17 @@ def run_benchmark(
 
     def make_engines() -> list:
         engines = []
-        for mode, ratio, keep in runs:
-            engine = SAMcacheEngine(model_path, **mode_engine_kwargs(mode, ratio, curves, base, keep))
+        for mode, ratio, keep, method in runs:
+            kw = mode_engine_kwargs(mode, ratio, curves, base, keep)
+            if method is not None:
+                kw["recompute_method"] = method
+            engine = SAMcacheEngine(model_path, **kw)
             engine.warm_up()
             engines.append(engine)
         return engines
 
     # Every turn's messages (and its new content alone, for the floor), drawn once for all plays.
-    floors = trace.new_contents() if any(MODES[m].new_content_only for m, _, _ in runs) else trace.turns
+    floors = trace.new_contents() if any(MODES[m].new_content_only for m, _, _, _ in runs) else trace.turns
     prompts = [(turn.resolved(), floor.resolved()) for turn, floor in zip(trace.turns, floors)]
 
     def play(engines: list, measure_fidelity: bool) -> list[list[dict]]:
@@ -322,7 +331,7 @@ def run_benchmark(
         # machine and the cache state left by the previous run hit every mode alike.
         for t, (turn, (messages, floor)) in enumerate(zip(trace.turns, prompts)):
             for i in [(t + k) % len(runs) for k in range(len(runs))]:
-                (mode, _, _), engine = runs[i], engines[i]
+                (mode, _, _, _), engine = runs[i], engines[i]
                 cut = MODES[mode].new_content_only  # another prompt: fidelity against the turn means nothing
                 r = engine.chat(messages=floor if cut else messages, max_new_tokens=turn.max_new_tokens,
                                 ignore_eos=True, fidelity=measure_fidelity and not cut
@@ -374,11 +383,11 @@ def run_benchmark(
                 now = rec.get("samcache") or before
                 delta = {k: now.get(k, 0) - before.get(k, 0) for k in now if k not in ("store_bytes", "num_layers")}
                 before = now
-                record.update(image_reused_tokens=delta.get("reused_tokens", 0),
+                record.update(image_reused_tokens=delta.get("image_reused_tokens", 0),
                               recomputed_tokens=delta.get("recomputed_tokens", 0),
                               recomputed_token_layers=delta.get("recomputed_token_layers", 0),
                               recompute_rates=[recompute[0]] * int(now.get("num_layers") or 1),
-                              image_kv_hits=delta.get("images_reused", 0), image_kv_misses=delta.get("images_missed", 0))
+                              image_kv_hits=delta.get("image_kv_hits", 0), image_kv_misses=delta.get("image_kv_misses", 0))
                 record["prefilled_tokens"] -= record["image_reused_tokens"]
             records.append(record)
             if bar is not None:
@@ -430,11 +439,13 @@ def run_benchmark(
         if bar is not None:
             bar.close()
     results = []
-    for (mode, ratio, keep), engine, turns in zip(runs, engines or [], per_run):
-        name = mode if ratio is None or len(recompute) == 1 else f"{mode}@{ratio:g}"
+    for (mode, ratio, keep, method), engine, turns in zip(runs, engines or [], per_run):
+        name = mode if method is None else f"{mode}[{method}]"
+        name = name if ratio is None or len(recompute) == 1 else f"{name}@{ratio:g}"
         results.append({
             "mode": mode,
             "recompute": ratio,
+            "method": method,
             "compression_keep": keep,
             "name": name if keep is None else f"{name}@keep{keep:g}",
             "layer_rates": engine.layer_budget(ratio).rates.tolist() if ratio else [0.0] * engine.runner.num_layers,

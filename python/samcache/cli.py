@@ -123,7 +123,7 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
             fidelity=not args.no_fidelity, fidelity_tokens=args.fidelity_tokens, calibrate=not args.no_calibrate,
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, progress=not args.quiet,
             command=command, model_note=note, repeat=args.repeat, threads=args.threads, vllm_python=args.vllm_python,
-            peer_log_dir=out,
+            peer_log_dir=out, methods=args.methods,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, no peer environment, ...
         print(f"samcache bench: {e}", file=sys.stderr)
@@ -185,13 +185,15 @@ def _eval(args) -> int:
                               fidelity=not args.no_fidelity, calibration_traces=calibration,
                               track2_shares=args.track2_share, sensitivity=args.sensitivity,
                               calibration_continuation=args.calibration_continuation,
-                              keep_image_order=_ORDER_CHOICES[args.keep_image_order], progress=not args.quiet)
-    except (ValueError, OSError) as e:
+                              keep_image_order=_ORDER_CHOICES[args.keep_image_order], methods=args.methods,
+                              vllm_python=args.vllm_python, progress=not args.quiet)
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"samcache eval: {e}", file=sys.stderr)
         return 2
     for run in out["runs"]:
         lo, hi = run["interval"]
-        ratio = "" if run["recompute"] is None else f" @ {run['recompute']:g}"
+        ratio = "" if run.get("method") is None else f" {run['method']}"
+        ratio += "" if run["recompute"] is None else f" @ {run['recompute']:g}"
         if run.get("track2_share") is not None:
             ratio += f" share {run['track2_share']:g}"
         kl = "-" if run["kl_median"] is None else f"{run['kl_median']:.2e}"
@@ -209,17 +211,21 @@ def _eval(args) -> int:
         d = c["described"]
         parts = "" if d is None else (f"; described {100 * d['difference']:+.1f} [{100 * d['interval'][0]:+.1f}, "
                                       f"{100 * d['interval'][1]:+.1f}] over {d['turns']} parts")
+        kept = "" if c.get("reuse_kept") is None else f"; reuse kept {100 * c['reuse_kept']:.0f}%"
         print(f"{c['a']} vs {c['b']}: {100 * c['difference']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}] "
-              f"over {c['turns']} turns{parts}")
+              f"over {c['turns']} turns{parts}{kept}")
     if args.out:
         path = pathlib.Path(args.out)
         path.mkdir(parents=True, exist_ok=True)
         out["command"] = "samcache " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
         (path / "results.json").write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {path / 'results.json'}")
-        if out["sensitivity"] is not None:  # reusable: --sensitivity, or SAMcacheEngine(sensitivity=...)
-            (path / "sensitivity.json").write_text(json.dumps(out["sensitivity"], indent=1))
-            print(f"wrote {path / 'sensitivity.json'}")
+        curves = out["sensitivity"]  # reusable: --sensitivity, or SAMcacheEngine(sensitivity=...)
+        named = {} if curves is None else ({"sensitivity.json": curves} if "rates" in curves else
+                                           {f"sensitivity-{m.replace('+', '-')}.json": c for m, c in curves.items()})
+        for name, c in named.items():
+            (path / name).write_text(json.dumps(c, indent=1))
+            print(f"wrote {path / name}")
         try:
             plot(out, path / "accuracy.png")
             print(f"wrote {path / 'accuracy.png'}")
@@ -279,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters: " + "; ".join(f"{n}: {', '.join(scenario_parameters(n))}" for n in SCENARIOS))
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--recompute", default=None, help="recompute ratio(s), comma-separated: a sweep (default 0.05)")
+    b.add_argument("--methods", default=None,
+                   help="repair method(s) each recompute mode runs with, comma-separated (default: the engine's)")
     b.add_argument("--compression", default=None, metavar="KEEP",
                    help="visual-token compression keep ratio(s), comma-separated (e.g. 1.0,0.5,0.25,0.11): every "
                         "mode runs once per ratio with compression on (MoE checkpoints: --family qwen3_vl_moe or internvl)")
@@ -331,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--calibration-continuation", type=int, default=None, metavar="N",
                    help="reply tokens the calibration's loss covers (default: the whole reply of the calibration "
                         "turns; 256 on the synthetic pair)")
+    e.add_argument("--methods", default=None,
+                   help="repair method(s) to run each recompute mode with, comma-separated: "
+                        "two-track, boundary, deviation, boundary+deviation, isolated (default: the engine's)")
+    e.add_argument("--vllm-python", default=None,
+                   help="vLLM's Python for the modes vllm and vllm-samcache (default: $SAMCACHE_VLLM_PYTHON, "
+                        "then .venv-vllm)")
     e.add_argument("--keep-image-order", default="auto", choices=list(_ORDER_CHOICES),
                    help="the engines' keep_image_order in every mode but 'ordered' (default auto: the calibration "
                         "decides whether an image's KV is reused only at its own index)")

@@ -103,10 +103,10 @@ def test_reuse_at_new_positions_within_kl(arch):
     model, got, want, req, pools = _reuse_second(arch, ReuseSettings(recompute_ratio=0.05),
                                                  first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
     s = stats()
-    assert s.images_reused == 2 and s.images_saved == 2 and s.reused_tokens == 40
-    assert s.computed_tokens < s.scheduled_tokens  # spliced rows skipped by the decoder
+    assert s.image_kv_hits == 2 and s.images_saved == 2 and s.image_reused_tokens == 40
+    assert s.computed_tokens < s.prompt_tokens  # spliced rows skipped by the decoder
     kl = _kl(want.next_token_logits, got.next_token_logits)
-    print(f"next-token KL {kl:.2e}; decoder rows {s.computed_tokens} of {s.scheduled_tokens}")
+    print(f"next-token KL {kl:.2e}; decoder rows {s.computed_tokens} of {s.prompt_tokens}")
     assert kl < 0.05, kl
     # Decoding continues on the spliced cache.
     token = int(got.next_token_logits.argmax())
@@ -120,7 +120,7 @@ def test_other_pixels_are_not_reused(arch):
     reset_stats()
     model, got, want, _, _ = _reuse_second(arch, ReuseSettings(recompute_ratio=0.0),
                                            first_prefix=[1, 2, 3], second_prefix=[4, 5], second_seed=99)
-    assert stats().images_reused == 0
+    assert stats().image_kv_hits == 0
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
 
 
@@ -189,7 +189,7 @@ def test_one_layer_model_splice_is_exact():
     got, _, _ = _run(model, second, SamcacheAttnBackend)
     want, _, _ = _run(stock, second)
     s = stats()
-    assert s.images_reused == 2 and s.recomputed_tokens == 0 and s.computed_tokens == s.scheduled_tokens - 40
+    assert s.image_kv_hits == 2 and s.recomputed_tokens == 0 and s.computed_tokens == s.prompt_tokens - 40
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
 
 
@@ -235,7 +235,7 @@ def test_rows_shrinking_with_depth_are_exact_for_an_identical_context(arch):
     got, _, _ = _run(model, first, SamcacheAttnBackend)
     want, _, _ = _run(stock, first)
     s = stats()
-    assert s.images_reused == 2 and s.recomputed_tokens == 40           # every image row at the first layer
+    assert s.image_kv_hits == 2 and s.recomputed_tokens == 40           # every image row at the first layer
     assert s.recomputed_token_layers < 40 * layers                      # fewer deeper: rows were gathered
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
 
@@ -253,7 +253,7 @@ def test_metrics_path_is_written_after_each_step(arch, tmp_path):
     assert json.loads(path.read_text())["images_saved"] == 2
     _run(model, second, SamcacheAttnBackend)
     written = json.loads(path.read_text())
-    assert written["images_reused"] == 2 and written["steps"] == 2 and written["reused_tokens"] == 40
+    assert written["image_kv_hits"] == 2 and written["steps"] == 2 and written["image_reused_tokens"] == 40
 
 
 def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(arch):
@@ -288,6 +288,24 @@ def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(arch):
                                                                           extra_key=None, cache_salt=None)])
                 H.run_batch(model, pools, [req.extend()], capture_full_hidden=False,
                             after_init=lambda fb: plugin._record_extra_keys(fb, object, batch))
-                reused[name] += stats().images_reused
+                reused[name] += stats().image_kv_hits
     assert reused["lru"] == 0  # three images cycling through room for two
     assert reused["workflow"] >= 3, reused
+
+
+def test_the_plugin_plans_through_the_shared_per_request_path_with_the_order_kept(arch, monkeypatch):
+    """With keep_image_order the two images, shown again swapped, are not reused (each is at another
+    index) but computed and stored again under their new index; the plan goes through
+    samcache.reuse.plan_request (the engine's per-request path)."""
+    import samcache.integrations.forward_plan as forward_plan
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    calls = []
+    real = forward_plan.plan_request
+    monkeypatch.setattr(forward_plan, "plan_request", lambda *a, **k: calls.append(k["prefix_tokens"]) or real(*a, **k))
+    reset_stats()
+    _reuse_second(arch, ReuseSettings(recompute_ratio=0.05, recompute_method="boundary", keep_image_order=True),
+                  first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
+    assert len(calls) == 2  # one request a forward, both forwards
+    s = stats()
+    assert s.image_kv_hits == 0 and s.image_reused_tokens == 0 and s.image_kv_misses == 4 and s.images_saved == 4

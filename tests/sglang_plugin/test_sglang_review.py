@@ -216,7 +216,7 @@ def test_chunked_prefill_exact_on_one_layer(where, one_layer):
     got = _chunked(model, second, [cut], SamcacheAttnBackend)
     want = _chunked(stock, second, [cut])
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
-    assert stats().images_reused == 1  # the image not cut by the boundary
+    assert stats().image_kv_hits == 1  # the image not cut by the boundary
 
 
 def test_images_in_the_cached_prefix_and_text_request_in_mixed_batch(one_layer):
@@ -241,7 +241,7 @@ def test_images_in_the_cached_prefix_and_text_request_in_mixed_batch(one_layer):
 
     reset_stats()
     got = scenario(model, SamcacheAttnBackend)
-    assert stats().images_reused == 4 and stats().steps == 2  # the warm-up extend and the MIXED step
+    assert stats().image_kv_hits == 4 and stats().steps == 2  # the warm-up extend and the MIXED step
     want = scenario(stock, None)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
 

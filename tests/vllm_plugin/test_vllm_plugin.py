@@ -162,8 +162,8 @@ def test_at_recompute_ratio_1_outputs_equal_vanilla_vllm_token_for_token(checkpo
         assert have["ids"] == want["ids"]
         np.testing.assert_allclose(have["lp"], want["lp"], atol=1e-5)
     m = read_metrics(metrics)
-    assert m.images_reused >= 1 and m.reused_tokens >= (96 if chunk is None else 1)  # the path ran
-    assert m.recomputed_tokens == m.reused_tokens and m.computed_tokens == m.scheduled_tokens
+    assert m.image_kv_hits >= 1 and m.image_reused_tokens >= (96 if chunk is None else 1)  # the path ran
+    assert m.recomputed_tokens == m.image_reused_tokens and m.computed_tokens == m.prompt_tokens
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +195,12 @@ def plugin_run(checkpoint, env):
 def test_known_images_at_new_positions_are_reused_and_fewer_tokens_are_computed(plugin_run, vanilla):
     out, c = plugin_run
     # turn 0 sees A and B first: nothing to reuse, both saved
-    assert c["turn0"].images_reused == 0 and c["turn0"].images_saved == 2
+    assert c["turn0"].image_kv_hits == 0 and c["turn0"].images_saved == 2
     # turn 1 re-sends B one image earlier (not a prefix): its KV is spliced in at the new position
-    assert c["turn1"].images_reused - c["turn0"].images_reused == 1
-    assert c["turn1"].reused_tokens - c["turn0"].reused_tokens == 96
+    assert c["turn1"].image_kv_hits - c["turn0"].image_kv_hits == 1
+    assert c["turn1"].image_reused_tokens - c["turn0"].image_reused_tokens == 96
     for before, after in [("turn0", "turn1"), ("turn1", "turn2")]:
-        scheduled = c[after].scheduled_tokens - c[before].scheduled_tokens
+        scheduled = c[after].prompt_tokens - c[before].prompt_tokens
         computed = c[after].computed_tokens - c[before].computed_tokens
         recomputed = c[after].recomputed_tokens - c[before].recomputed_tokens
         assert computed == scheduled - 96 + recomputed and 0 < recomputed <= 0.05 * 96 + 1
@@ -214,17 +214,17 @@ def test_known_images_at_new_positions_are_reused_and_fewer_tokens_are_computed(
 def test_wrong_content_never_hits(plugin_run, vanilla):
     out, c = plugin_run
     # one changed pixel of B: another image, computed (and saved) as new
-    assert c["pixel"].images_reused - c["turn3"].images_reused == 1  # D only
+    assert c["pixel"].image_kv_hits - c["turn3"].image_kv_hits == 1  # D only
     assert out["pixel"]["ids"] == vanilla["pixel"]["ids"] or kl(vanilla["pixel"]["lp"], out["pixel"]["lp"]) < 0.05
     # another tenant (cache_salt): B and A were stored for the default tenant only
-    assert c["salted"].images_reused == c["pixel"].images_reused
+    assert c["salted"].image_kv_hits == c["pixel"].image_kv_hits
     assert kl(vanilla["salted"]["lp"], out["salted"]["lp"]) < 1e-9  # computed exactly as vLLM does
     # images a client named itself (multi_modal_uuids): their content is not known, never reused
-    assert c["uuid"].images_reused == c["salted"].images_reused
+    assert c["uuid"].image_kv_hits == c["salted"].image_kv_hits
     # the same content for the default tenant again: both hit
-    assert c["moved"].images_reused - c["uuid"].images_reused == 2
+    assert c["moved"].image_kv_hits - c["uuid"].image_kv_hits == 2
     # a request asking for prompt logprobs reads every row: computed in full, nothing reused
-    assert c["prompt_logprobs"].images_reused == c["moved"].images_reused
+    assert c["prompt_logprobs"].image_kv_hits == c["moved"].image_kv_hits
 
 
 def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_alone(checkpoint, vanilla, env):
@@ -241,7 +241,7 @@ def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_
         alone = run(llm, [prompt("BA", "again")])[0]
     finally:
         close(llm)
-    assert m.images_reused == 2  # both images of the first request, inside the batch
+    assert m.image_kv_hits == 2  # both images of the first request, inside the batch
     assert batch[0]["ids"] == alone["ids"]
     np.testing.assert_allclose(batch[0]["lp"], alone["lp"], atol=1e-4)
     for got, name in [(batch[1], "new"), (batch[2], "text")]:
@@ -329,11 +329,11 @@ def test_vllm_serve_with_the_flag_reuses_known_images(checkpoint, env):
                 return json.loads(r.read())
 
         ask("AB", "open the menu")
-        assert read_metrics(metrics).images_reused == 0
+        assert read_metrics(metrics).image_kv_hits == 0
         answer = ask("BC", "click save")
         assert answer["choices"][0]["message"]["content"] is not None
         m = read_metrics(metrics)
-        assert m.images_reused == 1 and m.reused_tokens == 96
+        assert m.image_kv_hits == 1 and m.image_reused_tokens == 96
     finally:
         proc.terminate()
         try:
@@ -382,7 +382,7 @@ def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(checkpoint
         finally:
             close(llm)
         m = read_metrics(path)
-        assert m.images_saved + m.images_reused == 9
-        reused[policy] = m.images_reused
+        assert m.images_saved + m.image_kv_hits == 9
+        reused[policy] = m.image_kv_hits
     assert reused["lru"] == 0  # three images cycling through room for two
     assert reused["workflow"] >= 3, reused

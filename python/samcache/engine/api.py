@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
@@ -46,7 +45,10 @@ from samcache.errors import PromptTooLong
 from samcache.policies.cache_priorities import CachePriorities
 from samcache.hashing import Namespace
 from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, WorkflowAwarePolicy, make_policy
-from samcache.recompute import LayerBudget, SensitivityCurves, solve_layer_budget
+from samcache.recompute import LayerBudget, SensitivityCurves
+from samcache.recompute.method import RepairMethod, repair_method
+from samcache.recompute.serving import BUDGETS, check_keep_image_order, keeps_image_order, load_curves, serving_budget
+from samcache.recompute.two_track import TwoTrack
 from samcache.reuse import RecomputeBudget
 from samcache.stores import ImageKVStore, TensorStore
 from samcache.tiers import DiskTier, LowerTiers, RemoteStore, RemoteTier
@@ -196,6 +198,7 @@ class SAMcacheEngine:
         track2_share: float = 0.5,
         recompute_tracks: str = "both",
         recompute_relevance: str = "attention",
+        recompute_method: "str | RepairMethod" = "two-track",
         keep_image_order: bool | str = "auto",
         prefix_cache: bool = True,
         prefix_reuse: str = "exact",
@@ -233,14 +236,8 @@ class SAMcacheEngine:
             raise ValueError("recompute_relevance='routing' ranks compressed images' tokens by routing confidence: it "
                              "needs compression_enabled=True")
         self.recompute_relevance = recompute_relevance
-        if not (isinstance(keep_image_order, bool) or keep_image_order == "auto"):
-            raise TypeError(f"keep_image_order must be True, False or 'auto', got {keep_image_order!r}")
-        self.keep_image_order = keep_image_order
-        if recompute_tracks not in ("both", "heads"):
-            raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {recompute_tracks!r}")
-        # head_fraction and track2_share are checked by the budget they shape.
-        self._budget_template = RecomputeBudget((), head_fraction=head_fraction, track2_share=track2_share,
-                                                tracks=recompute_tracks)
+        self.keep_image_order = check_keep_image_order(keep_image_order)
+        self.repair = _repair_method(recompute_method, head_fraction, track2_share, recompute_tracks)
         for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
                                       ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
                                       ("image_kv_cache_bytes", image_kv_cache_bytes, True),
@@ -266,7 +263,7 @@ class SAMcacheEngine:
             raise TypeError(f"tenant must be a str, bytes or None, got {type(tenant).__name__}")
         if prefix_reuse not in ("exact", "approximate"):
             raise ValueError(f"prefix_reuse must be 'exact' or 'approximate', got {prefix_reuse!r}")
-        if recompute_budget not in ("layer-aware", "uniform"):
+        if recompute_budget not in BUDGETS:
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
         if isinstance(eviction_policy, EvictionPolicy):
             if eviction_options:
@@ -296,6 +293,13 @@ class SAMcacheEngine:
             model=share_weights_with.runner.model if share_weights_with is not None else None,
         )
         self.compression = self._compression_settings(compression_enabled, compression_keep, compression_layers)
+        layer = self.repair.select_layer
+        if layer is not None and layer >= self.runner.num_layers:
+            raise ValueError(f"recompute_method {self.repair.describe()}: check_layer {layer} needs a model deeper "
+                             f"than its {self.runner.num_layers} layers")
+        if self.compression is not None and (layer is not None or self.repair.isolated):
+            raise ValueError(f"recompute_method {self.repair.name!r} does not combine with compression_enabled=True "
+                             "(compressed records fix their rows and KV before the step); use 'two-track' or 'boundary'")
         self.pool = BlockPool(self.runner.num_blocks, block_size)
         self.processor = load_processor(self.model_path)
         self.tokenizer = self.processor.tokenizer
@@ -611,20 +615,12 @@ class SAMcacheEngine:
         return build_prompt(ids, images, image_token_id=self.image_token_id, merge_size=self.geometry.merge_size)
 
     @property
-    def head_fraction(self) -> float:
-        return self._budget_template.head_fraction
-
-    @property
-    def track2_share(self) -> float:
-        return self._budget_template.track2_share
-
-    @property
-    def recompute_tracks(self) -> str:
-        return self._budget_template.tracks
+    def recompute_method(self) -> str:
+        return self.repair.name
 
     def recompute_budget_for(self, rates) -> RecomputeBudget:
-        """This engine's recompute budget (its tracks, head fraction, track-2 share) at per-layer ``rates``."""
-        return replace(self._budget_template, rates=tuple(rates))
+        """This engine's recompute budget (its repair method) at per-layer ``rates``."""
+        return RecomputeBudget(tuple(rates), self.repair)
 
     def request_options(self, recompute_ratio: float | None = None) -> RequestOptions:
         """The cache switches and recompute budget of this engine's requests."""
@@ -636,22 +632,16 @@ class SAMcacheEngine:
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
                               store_images=self.use_image_kv, budget=budget, use_vit=self.use_vit_cache,
                               compression=self.compression, relevance=self.recompute_relevance,
-                              keep_image_order=self.keeps_image_order(ratio))
+                              keep_image_order=self.keeps_image_order(ratio),
+                              isolated_images=self.use_image_kv and self.repair.isolated)
 
     def keeps_image_order(self, recompute_ratio: float | None = None) -> bool:
         """Whether requests at ``recompute_ratio`` (default: the engine's) reuse an image's KV only
         at its own index among the prompt's images: ``keep_image_order`` itself, or with ``"auto"``
         what the calibration's image-order check found for the rates this engine serves at that
         ratio (:meth:`SensitivityCurves.image_order.keeps_order`); False without one."""
-        if self.keep_image_order != "auto":
-            return self.keep_image_order
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
-        check_fraction("recompute_ratio", ratio)
-        order = None if self.sensitivity is None else self.sensitivity.image_order
-        if order is None:
-            return False
-        uniform = self.recompute_budget == "uniform" or self.sensitivity.prefers_uniform(ratio)
-        return order.keeps_order(ratio, uniform=uniform)
+        return keeps_image_order(self.keep_image_order, self.sensitivity, ratio, self.recompute_budget)
 
     def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with
@@ -688,17 +678,10 @@ class SAMcacheEngine:
         """Per-layer recompute rates for a mean ``ratio``: solved from the sensitivity curves
         (layer-aware), or the same rate everywhere (uniform, layer-aware before calibration, and
         layer-aware where the calibration's end-to-end check found uniform rates better)."""
-        check_fraction("ratio", ratio)
-        layers = self.runner.num_layers
-        if ratio <= 0.0:
-            return LayerBudget(rates=np.zeros(layers), expected_loss=0.0, mean_rate=0.0)
-        if (self.recompute_budget == "layer-aware" and self.sensitivity is not None
-                and not self.sensitivity.prefers_uniform(ratio)):
-            key = (id(self.sensitivity), ratio)  # the solve is the same for every turn: keep it
-            if key not in self._solved:
-                self._solved = {key: solve_layer_budget(self.sensitivity, ratio)}
-            return self._solved[key]
-        return LayerBudget(rates=np.full(layers, ratio), expected_loss=float("nan"), mean_rate=ratio)
+        key = (id(self.sensitivity), ratio)  # the solve is the same for every turn: keep it
+        if key not in self._solved:
+            self._solved = {key: serving_budget(self.sensitivity, ratio, self.runner.num_layers, self.recompute_budget)}
+        return self._solved[key]
 
     # ---- serving --------------------------------------------------------------------------------
     def _admission(self, req: ChatRequest, start: float) -> tuple[Admission, list[dict]]:
@@ -835,20 +818,7 @@ class SAMcacheEngine:
                 raise ValueError(f"sensitivity curves have {sensitivity.num_layers} layers, the model has "
                                  f"{self.runner.num_layers}")
             return sensitivity
-        path = pathlib.Path(sensitivity)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"sensitivity={str(path)!r}: cannot read the curves file ({e.strerror or e})") from None
-        try:
-            data = json.loads(text)
-            curves = SensitivityCurves.from_dict(data)
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError, AttributeError) as e:
-            raise ValueError(f"{path} is not a sensitivity-curves JSON saved by engine.calibrate(save=...): {e!r}") from None
-        if data.get("model_id") not in (None, self.model_id):
-            raise ValueError(f"{path} was calibrated on model {data['model_id']}, not on this one ({self.model_id}); "
-                             "calibrate this model (engine.calibrate(save=...))")
-        return self._load_sensitivity(curves)
+        return load_curves(sensitivity, num_layers=self.runner.num_layers, model_id=self.model_id)
 
     def calibrate(
         self,
@@ -885,3 +855,19 @@ class SAMcacheEngine:
 
 
 __all__ = ["BatchError", "CALIBRATION_CONTINUATION", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]
+
+
+def _repair_method(method, head_fraction: float, track2_share: float, tracks: str) -> RepairMethod:
+    """The engine's repair method: ``method`` (a name or a RepairMethod), with the two-track
+    settings where it is two-track; those settings given with another method are an error."""
+    if tracks not in ("both", "heads"):
+        raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {tracks!r}")
+    if isinstance(method, str) and method == TwoTrack.name:
+        return TwoTrack(head_fraction=head_fraction, track2_share=track2_share, tracks=tracks)
+    method = repair_method(method)
+    given = [name for name, value, default in (("head_fraction", head_fraction, 0.1), ("track2_share", track2_share, 0.5),
+                                                ("recompute_tracks", tracks, "both")) if value != default]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape recompute_method='two-track', not {method.name!r} "
+                         f"(give the method's own settings as an object, e.g. samcache.recompute.{type(method).__name__}(...))")
+    return method

@@ -57,6 +57,29 @@ class SequenceStep:
     compress: list[tuple[int, int]] | None = None
     compression: CompressionSettings | None = None
     replays: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] | None = None  # (layer, positions, targets, weights)
+    select: RowSelection | None = None  # the repair method picks the later layers' rows in the forward
+
+
+@dataclass
+class RowSelection:
+    """A repair method's second phase (``ReusePlan.select_layer``): at ``layer`` the forward
+    measures how far the fresh keys of the reused ``positions`` (sorted; every one of them is
+    computed up to that layer) deviate from their cached keys, and ``choose(deviation)`` returns
+    the rows of each layer after it (``layer_rows[layer + 1:]``)."""
+
+    layer: int
+    positions: np.ndarray
+    choose: Callable[[np.ndarray], list[np.ndarray]]
+
+
+@dataclass
+class SelectJob:
+    """A :class:`RowSelection` in a planned step: its step rows (device int64), their KV slots,
+    and the sequence it re-plans."""
+
+    step: SequenceStep
+    rows: torch.Tensor
+    slots: torch.Tensor
 
 
 @dataclass
@@ -114,6 +137,7 @@ class StepBatch:
     deepstack_rows: np.ndarray | None = None  # per row: its feature row, -1 for text
     compress_jobs: list[CompressJob] = field(default_factory=list)
     replays: list[ReplayJob] = field(default_factory=list)
+    select_jobs: list[SelectJob] = field(default_factory=list)
     steps: list[SequenceStep] = field(default_factory=list)
     offsets: np.ndarray | None = None  # first row of each sequence
     block_size: int = 0
@@ -167,6 +191,13 @@ class StepBatch:
                 batch.replays.append(ReplayJob(layer, torch.from_numpy(off + local).to(device),
                                                torch.from_numpy(np.searchsorted(positions, targets)).to(device),
                                                torch.from_numpy(weights).to(device)))
+            if s.select is not None and s.layer_rows is not None:
+                local = np.searchsorted(s.rows, s.select.positions)
+                if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], s.select.positions)):
+                    raise ValueError("a row selection needs every reused position among the step's rows")
+                rows_t, slots_t2 = upload([off + local, slot_ids(s.block_table, s.select.positions, block_size)],
+                                          np.int64, device)
+                batch.select_jobs.append(SelectJob(s, rows_t, slots_t2))
             if s.compress:
                 full = s.rows
                 for rows in s.layer_rows or ():
@@ -194,6 +225,23 @@ class StepBatch:
         feature = self.deepstack_rows if rows_of_subset is None else self.deepstack_rows[rows_of_subset]
         where = np.flatnonzero(feature >= 0)
         return torch.from_numpy(where).to(device), torch.from_numpy(feature[where]).to(device)
+
+    def select(self, layer: int, fresh_keys, cached_keys) -> None:
+        """Run the row selections at ``layer``: ``fresh_keys(job)`` / ``cached_keys(job)`` give the
+        job's reused rows' keys [n, kv_heads, d]; each sequence's later layers get the rows its
+        selection chooses, and the layers after this one are planned again."""
+        from samcache.recompute import key_deviation
+
+        jobs = [job for job in self.select_jobs if job.step.select.layer == layer]
+        for job in jobs:
+            deviation = key_deviation(cached_keys(job), fresh_keys(job)).double().cpu().numpy()
+            chosen = job.step.select.choose(deviation)
+            if len(chosen) != len(self.layers) - layer - 1:
+                raise ValueError(f"a row selection at layer {layer} must give the rows of the "
+                                 f"{len(self.layers) - layer - 1} layers after it, got {len(chosen)}")
+            job.step.layer_rows[layer + 1:] = chosen
+        if jobs:
+            self.replan(layer + 1)
 
     def replan(self, first_layer: int) -> None:
         """Plan the row subsets of layers ``first_layer`` on (again, after a compression stage)."""
@@ -240,4 +288,4 @@ class StepBatch:
             self.layers[layer] = previous[1]
 
 
-__all__ = ["CompressJob", "ReplayJob", "RowSubset", "SequenceStep", "StepBatch"]
+__all__ = ["CompressJob", "ReplayJob", "RowSelection", "RowSubset", "SelectJob", "SequenceStep", "StepBatch"]

@@ -183,7 +183,8 @@ class Calibrator:
         r = ex.runner
         try:
             # The first showing: its images' KV is kept (held in the calibrator's pool).
-            pre, _ = ex.prefill(prime, ns, RequestOptions(use_prefix=False, register_prefix=False))
+            pre, _ = ex.prefill(prime, ns, RequestOptions(use_prefix=False, register_prefix=False,
+                                                          isolated_images=engine.repair.isolated))
             ex.register(pre)
             ex.pool.free_sequence(pre.seq)
             # The reused turn with the engine's recompute policy at rate 0: nothing recomputed.

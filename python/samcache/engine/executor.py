@@ -33,14 +33,14 @@ from samcache.agent.branches import ContextTree
 from samcache.block_pool import BlockPool, slot_ids
 from samcache.compression.compaction import Compaction
 from samcache.compression.settings import CompressionSettings
-from samcache.engine.batch import SequenceStep, StepBatch
+from samcache.engine.batch import RowSelection, SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
-from samcache.engine.prompt import Prompt
+from samcache.engine.prompt import ImageSpan, Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.errors import OutOfBlocks, PromptTooLong
-from samcache.hashing import ContentKey, Namespace, at_ordinal
+from samcache.hashing import ContentKey, Namespace
 from samcache.recompute import attention_relevance, span_positions
-from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, plan_reuse
+from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, image_key, plan_request
 from samcache.stores import HeldImage, ImageKVStore, TensorStore
 from samcache.tiers.lower import Fetched
 from samcache.tiers.prefix import PrefixTier
@@ -67,6 +67,8 @@ class RequestOptions:
     image KV is keyed by content *and* the image's index among the prompt's images, so it is reused
     only where the image keeps its place (for models that write an image's order into its KV; an
     image that moved to another place is prefilled again, from its cached ViT output).
+    ``isolated_images``: the KV kept of a new image is computed again without left context (repair
+    method ``isolated``).
     """
 
     use_prefix: bool = True
@@ -81,10 +83,11 @@ class RequestOptions:
     compression: CompressionSettings | None = None
     relevance: str = "attention"
     keep_image_order: bool = False
+    isolated_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
-                     "use_vit", "store_vit", "keep_image_order"):
+                     "use_vit", "store_vit", "keep_image_order", "isolated_images"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RequestOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.budget is not None and not isinstance(self.budget, RecomputeBudget):
@@ -180,9 +183,7 @@ class Executor:
         """The key of an image's KV: its namespaced content, and with ``options.keep_image_order``
         its index among the prompt's images too. (ViT outputs are keyed by content alone: they do
         not depend on where the image is.)"""
-        content = span.image.content
-        keep_order = options is not None and options.keep_image_order
-        return namespace.key(at_ordinal(content, span.index) if keep_order else content)
+        return image_key(namespace, span.image.content, span.index, options is not None and options.keep_image_order)
 
     @staticmethod
     def prefix_space(namespace: Namespace, options: RequestOptions) -> Namespace:
@@ -214,32 +215,30 @@ class Executor:
                     adopted = self._restore_prefix(seq, prompt, adopted, self.prefix_space(namespace, options), m)
             layout = self.layout(prompt, namespace, options)
             held: dict[Any, HeldImage] = {}
-            if options.use_image_kv:
-                for slot in layout.images:
-                    if slot.end <= adopted:
-                        continue
-                    check = self.kv_check(prompt.images[slot.index], options.compression)
-                    h = held.get(slot.key) or self.image_kv_store.get(slot.key, check=check)
-                    if h is not None and h.packed and slot.start < adopted:
-                        h = None  # a compressed record is spliced whole or not at all
-                    # Compacted layers need every spliced image in place before the step: no layer-by-layer loads.
-                    if (h is None and slot.key not in loaded and self.transfer is not None
-                            and options.compression is None):
-                        got = self._fetch_lower(slot.key, namespace, check, m)
-                        if got is not None:
-                            loaded[slot.key] = (got, check)
-                    if h is None and slot.key not in loaded:
-                        m.image_kv_misses += 1
-                    else:
-                        m.image_kv_hits += 1
-                        if h is not None and slot.key not in held and self.image_kv_store.pin(slot.key):
-                            pinned.append(slot.key)  # making room below must not evict it
-                        if h is not None:
-                            held[slot.key] = h
-            cached = {k: CachedImage(h.length, h.position) for k, h in held.items()}
-            cached.update({k: CachedImage(int(got.kv.shape[2]), got.position) for k, (got, _) in loaded.items()})
-            plan = plan_reuse(layout, prefix_tokens=adopted, budget=options.budget, num_layers=runner.num_layers,
-                              cached=cached)
+
+            def lookup(slot: ImageSlot) -> tuple[CachedImage, Any] | None:
+                """The pool's entry of an image, else one a lower tier holds (loaded during the step)."""
+                check = self.kv_check(prompt.images[slot.index], options.compression)
+                h = self.image_kv_store.get(slot.key, check=check)
+                if h is not None and h.packed and slot.start < adopted:
+                    h = None  # a compressed record is spliced whole or not at all
+                if h is not None:
+                    if self.image_kv_store.pin(slot.key):
+                        pinned.append(slot.key)  # making room below must not evict it
+                    held[slot.key] = h
+                    return CachedImage(h.length, h.position, h.index), h
+                # Compacted layers need every spliced image in place before the step: no layer-by-layer loads.
+                if self.transfer is not None and options.compression is None:
+                    got = self._fetch_lower(slot.key, namespace, check, m)
+                    if got is not None:
+                        loaded[slot.key] = (got, check)
+                        return CachedImage(int(got.kv.shape[2]), got.position), got
+                return None
+
+            request = plan_request(layout, prefix_tokens=adopted, lookup=lookup if options.use_image_kv else None,
+                                   budget=options.budget, num_layers=runner.num_layers)
+            plan = request.plan
+            m.image_kv_hits, m.image_kv_misses = request.hit_images, len(request.misses)
             compress = self.compressible(prompt, plan) if options.compression is not None else []
             packed = [s for s in plan.spliced if layout.images[s.image].key in held
                       and held[layout.images[s.image].key].packed]
@@ -663,6 +662,8 @@ class Executor:
             block_table=table, num_kv_tokens=len(prompt),
             layer_rows=None if all(r.size == rows.size for r in plan.layer_rows) else list(plan.layer_rows),
         )
+        if plan.select_layer is not None and step.layer_rows is not None:
+            step.select = self.row_selection(plan)
         if self.runner.deepstack_layers:
             ds_rows = np.full(rows.size, -1, dtype=np.int64)
             feats: list[list[torch.Tensor]] = [[] for _ in range(self.runner.deepstack_layers)]
@@ -676,6 +677,25 @@ class Executor:
                 step.deepstack_rows = ds_rows
                 step.deepstack_features = [torch.cat(f) for f in feats]
         return step
+
+    @staticmethod
+    def row_selection(plan: ReusePlan) -> RowSelection | None:
+        """The second phase of a plan whose repair method picks rows in the forward: at
+        ``plan.select_layer`` the reused tokens' key deviations order them (the method's order with
+        those scores), and each later layer computes the new rows and the first of that order."""
+        layer, method = plan.select_layer, plan.budget.method
+        if layer is None or layer + 1 >= plan.num_layers:
+            return None
+        spans, quota, new_rows = plan.reused_spans, plan.recompute.quota, plan.new_rows
+        positions = span_positions(spans)
+
+        def choose(deviation: np.ndarray) -> list[np.ndarray]:
+            scores = np.zeros(plan.num_tokens, dtype=np.float64)
+            scores[positions] = deviation
+            order = method.order(spans, quota, scores)
+            return [np.union1d(new_rows, order.positions(l)) for l in range(layer + 1, plan.num_layers)]
+
+        return RowSelection(layer, positions, choose)
 
     # ---- stage 2 -------------------------------------------------------------------------------
     def forward(self, steps: Sequence[SequenceStep], *, every_row: bool = False) -> torch.Tensor:
@@ -773,15 +793,45 @@ class Executor:
                     self._store_compressed(pre, span)
                 continue  # compacted rows from here on: not one image's KV at its own slots
             key, check = self.image_kv_key(pre.namespace, span, pre.options), self.kv_check(span)
+            if key in self.image_kv_store:
+                continue
             position = int(pre.prompt.positions[0, span.start])
-            self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=check,
-                                    namespace=pre.namespace)
-            lower = self.image_kv_store.lower
-            if lower is not None and lower.remote is not None:  # what this instance computed, others reuse
-                table = self.pool.block_table(pre.seq)
-                kv = self.runner.read_kv(slot_ids(table, np.arange(span.start, span.start + span.length),
-                                                  self.pool.block_size))
-                lower.publish(pre.namespace, key, kv, position, check)
+            seq, start, index = pre.seq, span.start, span.index
+            if pre.options.isolated_images:
+                seq, start, index = self._isolated(pre, span), 1, None
+            try:
+                self.image_kv_store.put(key, seq, start, span.length, position, check=check,
+                                        namespace=pre.namespace, index=index)
+                lower = self.image_kv_store.lower
+                if lower is not None and lower.remote is not None:  # what this instance computed, others reuse
+                    table = self.pool.block_table(seq)
+                    kv = self.runner.read_kv(slot_ids(table, np.arange(start, start + span.length),
+                                                      self.pool.block_size))
+                    lower.publish(pre.namespace, key, kv, position, check)
+            finally:
+                if seq != pre.seq:
+                    self.pool.free_sequence(seq)  # the store shares the blocks it keeps
+
+    def _isolated(self, pre: Prepared, span) -> int:
+        """A sequence holding image ``span``'s KV computed without left context: its frame token
+        (the one before it, ``<|vision_start|>``) and its tokens, at their positions in the turn
+        (re-rotation moves them anyway). The caller frees it."""
+        prompt, lo = pre.prompt, span.start - 1
+        if lo < 0:
+            raise ValueError("an isolated image needs its frame token before it")
+        alone = Prompt(token_ids=prompt.token_ids[lo:span.end].copy(), positions=prompt.positions[:, lo:span.end],
+                       images=[ImageSpan(0, 1, span.length, span.image)],
+                       next_position=int(prompt.positions[:, span.end - 1].max()) + 1)
+        options = RequestOptions(use_prefix=False, use_image_kv=False, register_prefix=False, store_images=False,
+                                 use_vit=pre.options.use_vit, vit_namespace=pre.options.vit_namespace, store_vit=False)
+        side = self.prepare(alone, pre.namespace, options)
+        try:
+            self.forward([side.step])
+        except BaseException:
+            self.discard_prepared(side)
+            raise
+        pre.metrics.isolated_tokens += len(alone)
+        return side.seq
 
     def _store_compressed(self, pre: Prepared, span) -> None:
         """Keep a compressed image's rows (what each layer holds), packed (``put_packed``)."""
@@ -806,7 +856,7 @@ class Executor:
         self.image_kv_store.put_packed(key, tuple(kept), np.concatenate(sources), span.length,
                                        int(pre.prompt.positions[0, span.start]), runner.copy_rows,
                                        check=self.kv_check(span, pre.options.compression), namespace=pre.namespace,
-                                       merges=merges)
+                                       merges=merges, index=span.index)
 
     # ---- decode ----------------------------------------------------------------------------------
     def decode_step(self, seq: int, token: int, position: int, hashed: bool,

@@ -30,6 +30,7 @@ class TurnMetrics:
     recomputed_tokens: int = 0  # reused tokens recomputed at the first layer
     recomputed_token_layers: int = 0  # recomputed (token, layer) pairs over all layers
     recompute_rates: list[float] = field(default_factory=list)  # per layer, fraction of image-reused tokens
+    isolated_tokens: int = 0  # computed again alone, for the image KV kept (repair method 'isolated'; after the first token)
     exact_tokens: int = 0  # leading prompt tokens whose KV equals a full prefill's (only these enter the prefix cache)
     images: int = 0
     vit_calls: int = 0  # images run through the vision tower

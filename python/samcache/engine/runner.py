@@ -223,6 +223,12 @@ class ModelRunner:
                 x, cos, sin = h.index_select(0, rows), cos_all.index_select(0, rows), sin_all.index_select(0, rows)
             attn = layer.self_attn
             q, k, v = self._project(l, layer.input_layernorm(x), cos, sin)
+            if batch.select_jobs:  # a repair method picks the later layers' rows from this layer's keys
+                def fresh(job, k=k, rows=rows):
+                    return k.index_select(0, job.rows if rows is None else torch.searchsorted(rows, job.rows))
+
+                # The cached keys are read before this layer's write overwrites them.
+                batch.select(l, fresh, lambda job, l=l: self.layer_keys(l, job.slots))
             ops.paged_write(k, v, self.k_cache[l], self.v_cache[l], sub.slots)
             out, _ = ops.sparse_attention(q, sub.meta, self.k_cache[l], self.v_cache[l],
                                           scale=float(attn.scaling), window=self.windows[l])

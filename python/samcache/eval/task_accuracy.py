@@ -79,6 +79,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                     calibration_traces: Sequence[Sequence[Any]] | None = None,
                     track2_shares: Sequence[float] | None = None, sensitivity: Any = None,
                     calibration_continuation: int | None = None, keep_image_order: bool | str = "auto",
+                    methods: Sequence[str] | None = None, vllm_python: str | None = None,
                     progress: bool = True) -> dict:
     """Play every trace (a list of :class:`~samcache.tasks.visual_qa.Turn`) on a fresh engine per
     (mode, ratio) run and score each turn's greedy reply. Returns per run: accuracy, its interval,
@@ -97,17 +98,34 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     calibrating. The curves used come back as ``sensitivity`` (None for a uniform budget).
     ``keep_image_order``: the engines' setting (True, False or "auto", the engine's default) in every
     mode that does not set its own (``ordered`` keeps the order); each run records what its engine
-    did (``keeps_image_order``)."""
+    did (``keeps_image_order``).
+    ``methods``: repair methods (:mod:`samcache.recompute.method`) to run each recompute mode with,
+    each at every ratio (calibrated on its own where the mode reads curves); None runs the engine's
+    default. Every run records its ``method`` and, per turn, what it computed
+    (``recomputed_token_layers``, ``prefilled_tokens``, ``isolated_tokens``); :func:`reuse_kept` and
+    :func:`comparisons` turn those into the share of the any-index reuse a run kept.
+    Modes ``vllm`` and ``vllm-samcache`` serve the same traces through the real vLLM (in its own
+    environment, ``vllm_python``; :mod:`samcache.peers.vllm_launcher`), one vLLM process a run
+    serving every trace in turn, vanilla or with samcache's plugin at each ratio and (plugin)
+    method, ``keep_image_order`` and, for ``"auto"``, the curves calibrated on samcache's engine
+    (``sensitivity``): the same settings the engine runs with."""
     from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.engine.api import CALIBRATION_CONTINUATION
+    from samcache.recompute.method import parse_methods
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
 
     modes = parse_modes(list(modes))
     recompute = parse_ratios(list(recompute))
-    peers = [m for m in modes if MODES[m].peer or MODES[m].new_content_only]
-    if peers:
-        raise ValueError(f"task accuracy runs samcache's engine modes; {', '.join(peers)} cannot answer the traces")
+    floors = [m for m in modes if MODES[m].new_content_only]
+    if floors:
+        raise ValueError(f"task accuracy scores whole turns; {', '.join(floors)} cannot answer the traces")
+    if any(MODES[m].peer for m in modes):
+        from samcache.peers.vllm_launcher import check_plugin_installed, find_vllm_python
+
+        vllm_python = str(find_vllm_python(vllm_python))  # a clear error now, not after the other runs
+        if "vllm-samcache" in modes:
+            check_plugin_installed(vllm_python)
     if not traces or any(len(t) == 0 for t in traces):
         raise ValueError("traces must be a non-empty list of non-empty traces")
     if max_new_tokens is not None:
@@ -124,29 +142,52 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity,
                             keep_image_order=keep_image_order)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
-    runs = [(m, r, s) for m in modes for r in (recompute if MODES[m].recomputes else [None])
-            for s in (shares if _two_track(m) and r else [None])]
-    curves = shared.sensitivity  # given (and checked against the model), else calibrated below
+    method_names = [None] if methods is None else parse_methods(methods)
+    runs = [(m, r, s, k) for m in modes for k in (method_names if MODES[m].recomputes else [None])
+            for r in (recompute if MODES[m].recomputes else [None])
+            for s in (shares if _two_track(m, k) and r else [None])]
+    given = shared.sensitivity  # given (and checked against the model), else calibrated below
     base = {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared,
             "keep_image_order": keep_image_order}
-    if curves is None and calibrate and any(MODES[m].reads_curves for m, _, _ in runs):
-        requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
-        curves = shared.calibrate(requests=requests, continuation=calibration_continuation, progress=progress)
+    curves_of: dict = {}  # per method: the curves its runs read
+    wants_curves = [k for m, _, _, k in runs if MODES[m].reads_curves
+                    or (m == "vllm-samcache" and keep_image_order == "auto")]
+    for method in dict.fromkeys(wants_curves):
+        curves_of[method] = given
+        if given is None and calibrate:
+            requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
+            engine = shared if method is None else SAMcacheEngine(
+                model_path, device=device, kv_cache_bytes=1 << 20, share_weights_with=shared, recompute_method=method,
+                keep_image_order=keep_image_order)
+            curves_of[method] = engine.calibrate(requests=requests, continuation=calibration_continuation,
+                                                 progress=progress)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(runs) * sum(len(t) for t in traces), desc="samcache eval", unit="turn")
     results = []
-    for mode, ratio, share in runs:
-        kw = mode_engine_kwargs(mode, ratio, curves, base)
+    for mode, ratio, share, method in runs:
+        if MODES[mode].peer:
+            turns = _vllm_turns(model_path, traces, mode, ratio, method, keep_image_order, curves_of.get(method, given),
+                                max_new_tokens, vllm_python, shared.model_id)
+            if bar is not None:
+                bar.update(len(turns))
+            results.append({"mode": mode, "recompute": ratio, "track2_share": None, "method": method,
+                            "keeps_image_order": None, "num_layers": shared.runner.num_layers, **_summary(turns),
+                            "turns": turns})
+            continue
+        kw = mode_engine_kwargs(mode, ratio, curves_of.get(method, given), base)
         if share is not None:
             kw["track2_share"] = share
+        if method is not None:
+            kw["recompute_method"] = method
         turns = []
         keeps_order = None
         for trace in traces:
             engine = SAMcacheEngine(model_path, **kw)  # every trace starts cold
             keeps_order = engine.keeps_image_order() if engine.use_image_kv else None
+            layers = engine.runner.num_layers
             moved = reordered_turns(trace)
             for index, turn in enumerate(trace):
                 r = engine.chat(messages=turn.messages, max_new_tokens=max_new_tokens or turn.max_new_tokens,
@@ -159,14 +200,74 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
                               "described": (described_parts(r.text, turn.specs)
                                             if DENSE_INSTRUCTION in turn.question else None),
                               "image_reused_tokens": r.metrics.image_reused_tokens,
+                              "recomputed_token_layers": r.metrics.recomputed_token_layers,
+                              "prefilled_tokens": r.metrics.prefilled_tokens,
+                              "isolated_tokens": r.metrics.isolated_tokens,
                               "kl": None if f is None else f.kl, "greedy_agree": None if f is None else f.greedy_agree})
                 if bar is not None:
                     bar.update(1)
-        results.append({"mode": mode, "recompute": ratio, "track2_share": share, "keeps_image_order": keeps_order,
-                        **_summary(turns), "turns": turns})
+        results.append({"mode": mode, "recompute": ratio, "track2_share": share, "method": method,
+                        "keeps_image_order": keeps_order, "num_layers": layers, **_summary(turns), "turns": turns})
     # The curves travel with the results: they say where the layer-aware budget spent its rates.
-    used = None if curves is None else curves.to_dict(shared.model_id)
+    used = {("default" if k is None else k): c.to_dict(shared.model_id) for k, c in curves_of.items() if c is not None}
+    if set(used) <= {"default"}:
+        used = used.get("default")
     return {"model": str(model_path), "traces": len(traces), "sensitivity": used, "runs": results}
+
+
+def _vllm_turns(model_path, traces, mode: str, ratio: float | None, method: str | None, keep_image_order,
+                curves, max_new_tokens: int | None, vllm_python: str, model_id: str) -> list[dict]:
+    """Every turn of ``traces`` answered by the real vLLM (one process serving all of them in
+    order), vanilla (``vllm``) or with samcache's plugin at ``ratio`` (``vllm-samcache``), scored
+    as the engine's turns are."""
+    import json
+    import tempfile
+
+    from samcache.peers.vllm_launcher import run_trace
+    from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
+
+    flat = [(index, turn, moved) for trace in traces
+            for index, (turn, moved) in enumerate(zip(trace, reordered_turns(trace)))]
+    with tempfile.TemporaryDirectory(prefix="samcache-eval-") as scratch:
+        config = None
+        if mode == "vllm-samcache":
+            config = {"recompute_ratio": ratio, "recompute_method": method or "two-track",
+                      "keep_image_order": keep_image_order}
+            if curves is not None:
+                path = f"{scratch}/sensitivity.json"
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(curves.to_dict(model_id), f)
+                config["sensitivity"] = path
+        out = run_trace([t.messages for _, t, _ in flat], model_path, python=vllm_python, samcache=config,
+                        max_tokens=[max_new_tokens or t.max_new_tokens for _, t, _ in flat],
+                        max_model_len=4096, timeout_s=6 * 3600.0)
+    turns, before = [], {}
+    for (index, turn, moved), record in zip(flat, out["turns"]):
+        counters = record.get("samcache") or {}
+        delta = {k: counters.get(k, 0) - before.get(k, 0) for k in ("image_reused_tokens", "recomputed_token_layers")}
+        before = counters or before
+        reply = record["text"]
+        turns.append({"turn": index, "question_type": turn.question_type, "question": turn.question,
+                      "answer": turn.answer, "reordered": moved, "reply": reply,
+                      "correct": bool(is_correct(reply, turn.answer)),
+                      "described": described_parts(reply, turn.specs) if DENSE_INSTRUCTION in turn.question else None,
+                      "image_reused_tokens": delta["image_reused_tokens"],
+                      "recomputed_token_layers": delta["recomputed_token_layers"], "prefilled_tokens": None,
+                      "isolated_tokens": 0, "kl": None, "greedy_agree": None})
+    return turns
+
+
+def reuse_kept(run: dict, reference: dict) -> float | None:
+    """The share of ``reference``'s reused image KV that ``run`` kept, over the same turns: its
+    image tokens reused, times the layers, less the (token, layer) pairs it recomputed, over the
+    reference's image tokens reused times the layers (the reference: reuse at any index without
+    recompute). None where the reference reused nothing."""
+    layers = run.get("num_layers") or 1
+    total = sum(t["image_reused_tokens"] for t in reference["turns"]) * (reference.get("num_layers") or 1)
+    if not total:
+        return None
+    kept = sum(t["image_reused_tokens"] * layers - t.get("recomputed_token_layers", 0) for t in run["turns"])
+    return kept / total
 
 
 def parse_shares(shares: str | Sequence[float]) -> list[float]:
@@ -181,11 +282,13 @@ def parse_shares(shares: str | Sequence[float]) -> list[float]:
     return list(dict.fromkeys(values))
 
 
-def _two_track(mode: str) -> bool:
-    """Whether ``mode`` recomputes with both tracks, so that its track-2 share matters."""
+def _two_track(mode: str, method: str | None = None) -> bool:
+    """Whether ``mode`` (with repair ``method``, None: the default) recomputes with both tracks of
+    the two-track method, so that its track-2 share matters."""
     from samcache.benchmark import MODES
 
-    return MODES[mode].recomputes and MODES[mode].engine_kwargs.get("recompute_tracks", "both") == "both"
+    return (MODES[mode].recomputes and not MODES[mode].peer and method in (None, "two-track")
+            and MODES[mode].engine_kwargs.get("recompute_tracks", "both") == "both")
 
 
 def calibration_pairs(traces: Sequence[Sequence[Any]]) -> list[tuple[list, list]]:
@@ -273,24 +376,30 @@ def _paired(diffs: list[int], z: float) -> dict:
 
 
 def _run_name(run: dict) -> str:
-    name = run["mode"] if run["recompute"] is None else f"{run['mode']} @ {run['recompute']:g}"
+    mode = run["mode"] if run.get("method") is None else f"{run['mode']} {run['method']}"
+    name = mode if run["recompute"] is None else f"{mode} @ {run['recompute']:g}"
     return name if run.get("track2_share") is None else f"{name} share {run['track2_share']:g}"
 
 
 def comparisons(out: dict) -> list[dict]:
     """The comparisons the task eval is for, where its runs allow: each recompute run against the
-    full prefill (``baseline``), layer-aware (``samcache``) against ``uniform-budget`` and two-track
-    (``samcache``) against ``head-only`` at each shared ratio (and track-2 share, where swept)."""
-    runs = {(r["mode"], r["recompute"], r.get("track2_share")): r for r in out["runs"]}
+    full prefill (``baseline``), with the share of the any-index reuse it kept (``reuse_kept``:
+    against the run that reused the most image tokens), layer-aware (``samcache``) against
+    ``uniform-budget`` and two-track (``samcache``) against ``head-only`` at each shared ratio
+    (and track-2 share, where swept; and method)."""
+    runs = {(r["mode"], r["recompute"], r.get("track2_share"), r.get("method")): r for r in out["runs"]}
+    reused = {key: sum(t["image_reused_tokens"] for t in run["turns"]) for key, run in runs.items()}
+    reference = runs[max(reused, key=reused.get)] if reused and max(reused.values()) else None
     rows = []
-    full = runs.get(("baseline", None, None))
-    for (mode, ratio, share), run in runs.items():
+    full = runs.get(("baseline", None, None, None))
+    for (mode, ratio, share, method), run in runs.items():
         if full is not None and mode != "baseline":
-            rows.append({"a": _run_name(run), "b": "baseline", **paired_difference(run, full)})
+            kept = None if reference is None else reuse_kept(run, reference)
+            rows.append({"a": _run_name(run), "b": "baseline", "reuse_kept": kept, **paired_difference(run, full)})
     for other in ("uniform-budget", "head-only"):
-        for (mode, ratio, share), run in runs.items():
+        for (mode, ratio, share, method), run in runs.items():
             # head-only has no track 2: every share of samcache is compared with its one run.
-            key = (other, ratio, None if other == "head-only" else share)
+            key = (other, ratio, None if other == "head-only" else share, method)
             if mode == "samcache" and key in runs:
                 rows.append({"a": _run_name(run), "b": _run_name(runs[key]), **paired_difference(run, runs[key])})
     return rows
@@ -313,8 +422,9 @@ def plot(out: dict, path) -> None:
     by_mode: dict[str, list[dict]] = {}
     for run in out["runs"]:
         if run["recompute"] is not None:
-            share = run.get("track2_share")
-            by_mode.setdefault(run["mode"] if share is None else f"{run['mode']} share {share:g}", []).append(run)
+            share, method = run.get("track2_share"), run.get("method")
+            name = run["mode"] if method is None else f"{run['mode']} {method}"
+            by_mode.setdefault(name if share is None else f"{name} share {share:g}", []).append(run)
     for mode, runs in by_mode.items():
         runs = sorted(runs, key=lambda r: r["recompute"])
         x = [r["recompute"] for r in runs]
@@ -344,5 +454,6 @@ def plot(out: dict, path) -> None:
     plt.close(fig)
 
 
-__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces", "paired_difference", "parse_shares", "plot", "reordered_turns",
-           "training_defaults", "wilson_interval"]
+__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces",
+           "paired_difference", "parse_shares", "plot", "reordered_turns", "reuse_kept", "training_defaults",
+           "wilson_interval"]

@@ -1,7 +1,9 @@
 """The engine-independent half of executing a reuse plan inside an engine's forward pass.
 
-Both plugins (vLLM, SGLang) do the same three things once :func:`samcache.reuse.plan_reuse` has
-decided a request's plan; only how they find rows and write the cache differs:
+Both plugins (vLLM, SGLang) plan every request of a forward pass the same way (:class:`StepPlan`,
+over :func:`samcache.reuse.plan_request`, the per-request path samcache's engine runs too: the
+same keys, look-up, plan and counters), then do the same three things; only how they find rows and
+write the cache differs:
 
 - splice a stored image (:class:`ImageKV`) into the engine's cache: its keys re-rotated from the
   cached M-RoPE positions to the new ones, every layer in one ``rope_rerotate`` call
@@ -14,49 +16,29 @@ decided a request's plan; only how they find rows and write the cache differs:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from samcache.errors import InvariantViolation
-from samcache.hashing import ContentKey
+from samcache.hashing import ContentHash, ContentKey, Namespace
 from samcache.ops.rope import rope_rerotate
-
-
-@dataclass
-class ReuseCounters:
-    """What a plugin's forward passes did with images, summed over steps."""
-
-    steps: int = 0                 # forward passes with reuse or saves
-    scheduled_tokens: int = 0      # prompt tokens the engine scheduled in the planned requests
-    computed_tokens: int = 0       # of those, rows the first layer computed (new + recomputed)
-    reused_tokens: int = 0         # image tokens whose KV was spliced in at new positions
-    recomputed_tokens: int = 0     # spliced tokens recomputed at the first layer
-    recomputed_token_layers: int = 0
-    images_reused: int = 0
-    images_saved: int = 0
-    images_missed: int = 0         # nameable images not in the store (then saved)
-
-    def add(self, other: "ReuseCounters") -> None:
-        for name in ReuseCounters.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def counters(self) -> dict[str, int]:
-        """The counters alone (a subclass's gauges left out)."""
-        values = asdict(self)
-        return {name: values[name] for name in ReuseCounters.__dataclass_fields__}
+from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReuseCounters, image_key, plan_request
 
 
 @dataclass
 class ImageKV:
-    """A stored image: per-layer keys (rotated at ``positions``) and values, ``[L, n, H, D]``, and
-    its M-RoPE positions ``[3, n]``."""
+    """A stored image: per-layer keys (rotated at ``positions``) and values, ``[L, n, H, D]``, its
+    M-RoPE positions ``[3, n]`` and its index among its prompt's images when computed (None: not
+    known)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
+    index: int | None = None
 
 
 @dataclass
@@ -67,6 +49,7 @@ class PendingSave:
     key: ContentKey
     rows: torch.Tensor
     positions: torch.Tensor
+    index: int | None = None
     k: list[torch.Tensor] = field(default_factory=list)
     v: list[torch.Tensor] = field(default_factory=list)
 
@@ -78,7 +61,7 @@ class PendingSave:
         self.v.append(values.index_select(0, index))
 
     def image_kv(self) -> ImageKV:
-        return ImageKV(torch.stack(self.k), torch.stack(self.v), self.positions)
+        return ImageKV(torch.stack(self.k), torch.stack(self.v), self.positions, self.index)
 
 
 class KVWriter(Protocol):
@@ -151,4 +134,79 @@ def layer_rows(skipped: np.ndarray, recompute: list[list[np.ndarray]], num_layer
     return rows, select
 
 
-__all__ = ["ImageKV", "KVWriter", "PendingSave", "ReuseCounters", "Rotary", "layer_rows", "splice_image"]
+@dataclass(frozen=True)
+class RequestImage:
+    """An image of a request as a plugin names it: its content (None: not nameable, never reused)
+    and its prompt tokens ``[offset, offset + length)``. Its index among the request's images is
+    its place in the list the plugin gives."""
+
+    content: ContentHash | None
+    offset: int
+    length: int
+
+
+@dataclass
+class StepPlan:
+    """One forward pass's plan, request by request: what is spliced (``skipped``: flattened rows no
+    layer computes), each layer's recompute rows, the images to save, and the counters."""
+
+    total: int
+    num_layers: int
+    skipped: np.ndarray = None  # type: ignore[assignment]
+    recompute: list[list[np.ndarray]] = None  # type: ignore[assignment]
+    saves: list[PendingSave] = field(default_factory=list)
+    counters: ReuseCounters = field(default_factory=ReuseCounters)
+
+    def __post_init__(self) -> None:
+        self.skipped = np.zeros(self.total, dtype=bool)
+        self.recompute = [[] for _ in range(self.num_layers)]
+
+    def add_request(self, images: Sequence[RequestImage], *, begin: int, end: int, base: int, namespace: Namespace,
+                    store: Any, budget: RecomputeBudget | None, keep_image_order: bool, positions: torch.Tensor,
+                    slots: torch.Tensor, cache: KVWriter, rotary: Rotary, may_splice: bool = True) -> None:
+        """Plan a request whose prompt tokens ``[begin, end)`` are the step's flattened rows from
+        ``base`` on (``positions`` [3, rows], ``slots`` its KV slots by row), splice the images the
+        store holds into the cache, and list those computed whole here to save. ``may_splice``
+        False: every image is computed (the engine reads those rows), and still saved."""
+        unnamed: set = set()  # keys of images that cannot be named: never looked up, never saved
+        layout_images = []
+        for index, image in enumerate(images):
+            if image.offset + image.length > end:
+                break  # cut by the step's end (or later): computed as the engine does, as is everything after
+            if image.content is None:
+                key = ("unnamed", index)
+                unnamed.add(key)
+            else:
+                key = image_key(namespace, image.content, index, keep_image_order)
+            # Plugins move keys per token (splice_image); the span's own position is informative only.
+            position = int(positions[0, base + image.offset - begin]) if image.offset >= begin else 0
+            layout_images.append(ImageSlot(index, image.offset, image.length, key, position))
+        layout = PromptLayout(num_tokens=end, images=tuple(layout_images))
+
+        def lookup(slot: ImageSlot):
+            entry = store.get(slot.key, check=(slot.length,)) if may_splice and slot.key not in unnamed else None
+            if entry is None:
+                return None
+            return CachedImage(entry.k.size(1), int(entry.positions[0, 0]), entry.index), entry
+
+        request = plan_request(layout, prefix_tokens=begin, lookup=lookup, budget=budget, num_layers=self.num_layers)
+        saving = {save.key for save in self.saves}
+        for slot in request.misses:
+            if slot.key not in unnamed and slot.start >= begin and slot.key not in saving:  # whole in this step
+                rows = torch.arange(base + slot.start - begin, base + slot.end - begin)
+                self.saves.append(PendingSave(slot.key, rows, positions[:, rows].cpu().clone(), slot.index))
+                saving.add(slot.key)
+        for span in request.plan.spliced:
+            entry = request.hits[layout.images[span.image].key]
+            rows = torch.arange(base + span.start - begin, base + span.end - begin)
+            splice_image(entry, slice(span.offset, span.offset + span.length), positions[:, rows].cpu(),
+                         slots[rows.to(slots.device)].to(torch.int64), cache, rotary, self.num_layers)
+            self.skipped[rows.numpy()] = True
+        for layer in range(self.num_layers):
+            moved = request.recompute_rows(layer)
+            if moved.size:
+                self.recompute[layer].append(moved + base - begin)
+        self.counters.count(request, scheduled_tokens=end - begin)
+
+
+__all__ = ["ImageKV", "KVWriter", "PendingSave", "RequestImage", "Rotary", "StepPlan", "layer_rows", "splice_image"]

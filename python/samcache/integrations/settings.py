@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from samcache._checks import check_fraction, check_int
+from samcache.recompute.serving import check_keep_image_order, keeps_image_order, load_curves, serving_budget
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,17 @@ class ReuseSettings:
     """``recompute_ratio``: fraction of a reused image's tokens recomputed at every layer (0: none,
     1: all, i.e. outputs equal the engine's own prefill); ``recompute_rates``: per-layer fractions
     instead (non-increasing with depth, one per decoder layer; overrides the ratio);
-    ``head_fraction``: share of each image's quota spent on its first tokens (track 1);
+    ``recompute_method``: the repair method that orders the recomputed tokens
+    (:mod:`samcache.recompute.method`): ``"two-track"`` (default; track 2 in position order: the
+    plugins have no relevance scores) or ``"boundary"``; ``"deviation"``, ``"boundary+deviation"``
+    and ``"isolated"`` need samcache's own forward and are refused at start-up;
+    ``head_fraction``: share of each image's quota spent on its first tokens (two-track's track 1);
+    ``sensitivity``: the path of calibrated curves (``engine.calibrate(save=...)`` on samcache's
+    engine, same checkpoint): the per-layer rates are then solved from them (layer-aware, as the
+    engine does) unless ``recompute_rates`` are given; ``keep_image_order``: an image's KV is reused
+    only where it keeps its index among the request's images (True), at any index (False), or as
+    the curves' image-order check says for the served rates (``"auto"``, default; at any index
+    without curves);
     ``store_bytes``: byte bound of the image-KV store (least recently used images go first);
     ``tenant``: the tenant of requests that name none (each engine says how a request names its
     own); ``metrics_path``: a JSON file the worker rewrites after every step that reused or saved
@@ -29,7 +40,10 @@ class ReuseSettings:
 
     recompute_ratio: float = 0.05
     recompute_rates: tuple[float, ...] | None = None
+    recompute_method: str = "two-track"
     head_fraction: float = 0.1
+    sensitivity: str | None = None
+    keep_image_order: bool | str = "auto"
     store_bytes: int = 1 << 30
     tenant: str = "default"
     metrics_path: str | None = None
@@ -55,7 +69,25 @@ class ReuseSettings:
                 raise ValueError(f"samcache: recompute_rates must be non-empty and non-increasing with depth, "
                                  f"got {list(rates)}")
         head = check_fraction("samcache: head_fraction", extra.get("head_fraction", cls.head_fraction))
+        method = extra.get("recompute_method", cls.recompute_method)
+        if method not in PLUGIN_METHODS:
+            from samcache.recompute.method import registered
+
+            why = ("needs samcache's own forward (key deviation inside the step, or image KV computed alone)"
+                   if method in registered() else "is not a recompute method")
+            raise ValueError(f"samcache: recompute_method {method!r} {why}; the plugins run "
+                             f"{', '.join(repr(m) for m in PLUGIN_METHODS)}")
+        if "head_fraction" in extra and method != "two-track":
+            raise ValueError(f"samcache: head_fraction shapes recompute_method 'two-track', not {method!r}")
         store = check_int("samcache: store_bytes", extra.get("store_bytes", cls.store_bytes), 1)
+        curves = extra.get("sensitivity")
+        if curves is not None and (not isinstance(curves, str) or not curves):
+            raise ValueError(f"samcache: sensitivity must be the path of a curves JSON, got {curves!r}")
+        keep = extra.get("keep_image_order", cls.keep_image_order)
+        try:
+            check_keep_image_order(keep)
+        except TypeError as e:
+            raise ValueError(f"samcache: {e}") from None
         tenant = extra.get("tenant", cls.tenant)
         if not isinstance(tenant, str):
             raise ValueError(f"samcache: tenant must be a string, got {tenant!r}")
@@ -66,7 +98,8 @@ class ReuseSettings:
         options = extra.get("eviction_options")
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"samcache: eviction_options must be an object, got {options!r}")
-        out = cls(recompute_ratio=ratio, recompute_rates=rates, head_fraction=head, store_bytes=store,
+        out = cls(recompute_ratio=ratio, recompute_rates=rates, recompute_method=method, head_fraction=head,
+                  sensitivity=curves, keep_image_order=keep, store_bytes=store,
                   tenant=tenant, metrics_path=path, eviction_policy=policy,
                   eviction_options=dict(options) if options is not None else None)
         out.make_policy()  # a bad name or option stops the server now
@@ -88,14 +121,45 @@ class ReuseSettings:
         except ValueError as e:
             raise ValueError(f"samcache: eviction_options: {e}") from None
 
+    def budget(self, num_layers: int):
+        """The recompute budget of a model of ``num_layers`` decoder layers: the per-layer rates in
+        the order of the configured method (two-track without relevance scores)."""
+        from samcache.recompute import Boundary, TwoTrack
+        from samcache.reuse import RecomputeBudget
+
+        method = (TwoTrack(head_fraction=self.head_fraction, relevance=False) if self.recompute_method == "two-track"
+                  else Boundary())
+        return RecomputeBudget(self.layer_rates(num_layers), method)
+
+    def curves(self, num_layers: int):
+        """The calibrated curves (None without ``sensitivity``), checked against the model's depth."""
+        if self.sensitivity is None:
+            return None
+        try:
+            return load_curves(self.sensitivity, num_layers=num_layers)
+        except ValueError as e:
+            raise ValueError(f"samcache: {e}") from None
+
+    def keeps_image_order(self, num_layers: int) -> bool:
+        """Whether image KV is keyed by content and index (:func:`samcache.recompute.serving.keeps_image_order`,
+        as the engine decides it, at the mean of the served rates)."""
+        rates = self.layer_rates(num_layers)
+        kind = "uniform" if self.recompute_rates is not None else "layer-aware"
+        return keeps_image_order(self.keep_image_order, self.curves(num_layers), sum(rates) / len(rates), kind)
+
     def layer_rates(self, num_layers: int) -> tuple[float, ...]:
-        """The per-layer recompute rates for a model of ``num_layers`` decoder layers."""
+        """The per-layer recompute rates for a model of ``num_layers`` decoder layers: the given ones,
+        else solved from the curves for ``recompute_ratio`` (the same at every layer without them)."""
         if self.recompute_rates is None:
-            return (self.recompute_ratio,) * num_layers
+            budget = serving_budget(self.curves(num_layers), self.recompute_ratio, num_layers)
+            return tuple(float(r) for r in budget.rates)
         if len(self.recompute_rates) != num_layers:
             raise ValueError(f"samcache: recompute_rates has {len(self.recompute_rates)} entries, "
                              f"the model has {num_layers} decoder layers")
         return self.recompute_rates
 
 
-__all__ = ["ReuseSettings"]
+#: The repair methods the plugins run: their order needs nothing but the plan.
+PLUGIN_METHODS = ("two-track", "boundary")
+
+__all__ = ["PLUGIN_METHODS", "ReuseSettings"]

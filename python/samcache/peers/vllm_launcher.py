@@ -69,13 +69,15 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
               threads: int | None = None, dtype: str = "float32", block_size: int = PEER_BLOCK_SIZE,
               max_model_len: int = 8192, seed: int = 0, kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (),
               log_path: str | os.PathLike | None = None, timeout_s: float = 1800.0,
-              samcache: dict[str, Any] | None = None, logprobs: bool = False) -> dict[str, Any]:
+              samcache: dict[str, Any] | None = None, logprobs: bool = False,
+              max_tokens: Sequence[int] | None = None) -> dict[str, Any]:
     """Serve ``turns`` (chat messages, samcache's format, images as HxWx3 uint8 arrays) with vLLM
     in ``dtype``; returns ``{"vllm_version", "startup_s", "turns": [{"ttft_s", "prompt_tokens",
     "cached_tokens", "token_ids"}, ...]}``. ``samcache``: run with samcache's vLLM plugin, this
     ``kv_connector_extra_config`` (each turn then has the plugin's counters, ``"samcache"``);
     ``logprobs``: each turn also has its first token's log-probabilities (``"first_logprobs"``,
-    by token id)."""
+    by token id). ``max_tokens``: per turn, a greedy reply of that many tokens at most (its text is
+    the turn's ``"text"``, its wall time ``"latency_s"`` instead of ``"ttft_s"``); None: one token."""
     from samcache.engine.prompt import normalize_messages
     from samcache.hashing import hash_image
 
@@ -89,6 +91,10 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
     if isinstance(turns, (str, bytes, dict)) or not isinstance(turns, Sequence) or not turns:
         raise ValueError("turns must be a non-empty list of turns (each a list of chat messages)")
+    if max_tokens is not None:
+        max_tokens = [check_int("max_tokens[i]", m, 1) for m in max_tokens]
+        if len(max_tokens) != len(turns):
+            raise ValueError(f"max_tokens has {len(max_tokens)} entries for {len(turns)} turns")
     # Checked, images pulled out in order (samcache's own message rules), before vLLM starts.
     rendered = [normalize_messages(t) for t in [*turns, *warmup]]
     exe = find_vllm_python(python)
@@ -120,6 +126,8 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
             return out
 
         encoded = [{"messages": encode(messages, images)} for messages, images in rendered]
+        for turn, limit in zip(encoded, max_tokens or ()):
+            turn["max_tokens"] = limit
         request = {"model": str(model_path), "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                    "seed": seed, "turns": encoded[: len(turns)], "warmup": encoded[len(turns):],
                    "max_images": max(max(len(images) for _, images in rendered), 1), "images": files,

@@ -9,7 +9,9 @@ benchmark (:mod:`samcache.peers.vllm_launcher`) starts it and reads its result f
 REQUEST holds the checkpoint, the engine settings and the turns; images are PNG files, all
 decoded before any timing (samcache's modes get decoded arrays too). Each turn is one request
 with ``max_tokens=1`` (temperature 0): its wall time is request -> first token (chat template,
-image processing, encoder, prefill, sampling), as samcache's TTFT. RESULT holds, per turn, that
+image processing, encoder, prefill, sampling), as samcache's TTFT. A turn may ask for a greedy
+reply of ``max_tokens`` instead (task accuracy): its wall time is then ``latency_s``, and ``text``
+is the reply. RESULT holds, per turn, that
 time, the prompt length and how many prompt tokens vLLM's prefix cache supplied.
 
 With ``"samcache": {...}`` in REQUEST the run enables samcache's vLLM plugin (installed in this
@@ -71,11 +73,15 @@ def main(request_path: str, result_path: str) -> int:
         llm.chat(messages(warm), first, use_tqdm=False)
     turns = []
     for turn in req["turns"]:
+        # A reply of max_tokens (greedy): its wall time is then the turn's latency, not its TTFT.
+        params = first if turn.get("max_tokens", 1) == 1 else SamplingParams(
+            max_tokens=turn["max_tokens"], temperature=0.0, logprobs=-1 if logprobs else None)
         t0 = time.perf_counter()
-        out = llm.chat(messages(turn), first, use_tqdm=False)[0]
+        out = llm.chat(messages(turn), params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t0
-        record = {"ttft_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
-                  "cached_tokens": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids)}
+        record = {"ttft_s" if params is first else "latency_s": elapsed, "prompt_tokens": len(out.prompt_token_ids),
+                  "cached_tokens": int(out.num_cached_tokens or 0), "token_ids": list(out.outputs[0].token_ids),
+                  "text": out.outputs[0].text}
         if logprobs:
             first_token = out.outputs[0].logprobs[0]
             record["first_logprobs"] = [first_token[i].logprob for i in sorted(first_token)]

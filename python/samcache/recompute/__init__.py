@@ -1,4 +1,4 @@
-"""Recompute policy: which reused tokens are recomputed, and how many at each layer."""
+"""Recompute policy: which reused tokens are recomputed (the repair methods), and how many at each layer."""
 
 from samcache.recompute.budget import (
     LayerBudget,
@@ -7,7 +7,11 @@ from samcache.recompute.budget import (
     solve_layer_budget,
     uniform_layer_budget,
 )
+from samcache.recompute.boundary import Boundary, BoundaryDeviation
+from samcache.recompute.deviation import Deviation
 from samcache.recompute.image_order import ImageOrderCheck
+from samcache.recompute.isolated import Isolated
+from samcache.recompute.method import RepairMethod, parse_methods, registered, repair_method
 from samcache.recompute.selection import (
     RecomputePlan,
     ReusedSpan,
@@ -16,8 +20,18 @@ from samcache.recompute.selection import (
     plan_recompute,
     span_positions,
 )
+from samcache.recompute.two_track import TwoTrack
 
 __all__ = [
+    "Boundary",
+    "BoundaryDeviation",
+    "Deviation",
+    "Isolated",
+    "RepairMethod",
+    "TwoTrack",
+    "parse_methods",
+    "registered",
+    "repair_method",
     "ImageOrderCheck",
     "LayerBudget",
     "RecomputePlan",

@@ -26,14 +26,20 @@ import torch
 
 @dataclass(frozen=True)
 class ReusedSpan:
-    """Tokens [start, start + length) of the new sequence whose KV is reused from cache."""
+    """Tokens [start, start + length) of the new sequence whose KV is reused from cache.
+    ``moved``: the KV was computed with other images before it than it has now (the image's
+    index among the prompt's images changed, or its KV was computed alone, or where it was
+    computed is not known), so it may be wrong in more than its positions."""
 
     start: int
     length: int
+    moved: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.start, int) and isinstance(self.length, int)) or self.start < 0 or self.length < 1:
             raise ValueError(f"a reused span needs int start >= 0 and length >= 1, got {self}")
+        if not isinstance(self.moved, bool):
+            raise TypeError(f"ReusedSpan.moved must be a bool, got {self.moved!r}")
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class RecomputePlan:
         return len(self.quota)
 
 
-def _check_spans(spans: Sequence[ReusedSpan]) -> list[ReusedSpan]:
+def check_spans(spans: Sequence[ReusedSpan]) -> list[ReusedSpan]:
+    """``spans`` as ReusedSpan values in position order, refusing overlaps."""
     spans = list(spans)
     if not all(isinstance(s, ReusedSpan) for s in spans):
         raise TypeError("spans must be ReusedSpan objects")
@@ -85,33 +92,46 @@ def plan_recompute(
     """
     if tracks not in ("both", "heads"):
         raise ValueError(f"tracks must be 'both' or 'heads', got {tracks!r}")
-    spans = _check_spans(spans)
+    spans = check_spans(spans)
     if not 0.0 <= head_fraction <= 1.0:
         raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
     if not 0.0 <= track2_share <= 1.0:
         raise ValueError(f"track2_share must be in [0, 1], got {track2_share}")
     reused = span_positions(spans)
-    quota = [int(q) for q in quota]
-    if any(q < 0 for q in quota) or any(b > a for a, b in zip(quota, quota[1:])):
-        raise ValueError(f"quotas must be >= 0 and non-increasing with depth, got {quota}")
-    if quota and quota[0] > reused.size:
-        raise ValueError(f"quota {quota[0]} exceeds the {reused.size} reused tokens")
+    quota = check_quota(quota, reused.size)
     # Track 1: the head of each span, interleaved by offset (offset 0 of every span first).
     heads = [(offset, s.start + offset) for s in spans for offset in range(math.ceil(head_fraction * s.length))]
     track1 = np.array([pos for _, pos in sorted(heads)], dtype=np.int64)
     rest = np.setdiff1d(reused, track1, assume_unique=True)
     if scores is not None:
-        scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
-        if scores.ndim != 1 or (reused.size and scores.shape[0] <= reused.max()):
-            raise ValueError(f"scores must be 1-D and cover every reused position, got shape {scores.shape}")
-        if not np.all(np.isfinite(scores[reused])):
-            raise ValueError("scores of reused positions must be finite")
+        scores = check_scores(scores, reused)
         rest = rest[np.argsort(-scores[rest], kind="stable")]
     if tracks == "heads":
         quota, track2_share = [min(q, track1.size) for q in quota], 0.0
     boundary = min(len(spans), track1.size) if head_fraction > 0 else 0  # offset 0 of each span
     order = np.concatenate([track1[:boundary], _interleave(track1[boundary:], rest, track2_share)])
     return RecomputePlan(order=order, quota=tuple(quota))
+
+
+def check_scores(scores: np.ndarray | torch.Tensor, reused: np.ndarray) -> np.ndarray:
+    """``scores`` (one per position of the new sequence) as a numpy array, checked to cover every
+    ``reused`` position with a finite value."""
+    scores = scores.detach().cpu().numpy() if isinstance(scores, torch.Tensor) else np.asarray(scores)
+    if scores.ndim != 1 or (reused.size and scores.shape[0] <= reused.max()):
+        raise ValueError(f"scores must be 1-D and cover every reused position, got shape {scores.shape}")
+    if not np.all(np.isfinite(scores[reused])):
+        raise ValueError("scores of reused positions must be finite")
+    return scores
+
+
+def check_quota(quota: Sequence[int], reused: int) -> list[int]:
+    """Per-layer quotas as ints: >= 0, non-increasing with depth, at most ``reused``."""
+    quota = [int(q) for q in quota]
+    if any(q < 0 for q in quota) or any(b > a for a, b in zip(quota, quota[1:])):
+        raise ValueError(f"quotas must be >= 0 and non-increasing with depth, got {quota}")
+    if quota and quota[0] > reused:
+        raise ValueError(f"quota {quota[0]} exceeds the {reused} reused tokens")
+    return quota
 
 
 def span_positions(spans: Sequence[ReusedSpan]) -> np.ndarray:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from samcache._checks import check_fraction, check_int
-from samcache.recompute.budget import tokens_per_layer
-from samcache.recompute.selection import RecomputePlan, ReusedSpan, plan_recompute
+from samcache._checks import check_int
+from samcache.recompute.method import RepairMethod
+from samcache.recompute.selection import RecomputePlan, ReusedSpan
+from samcache.recompute.two_track import TwoTrack
 
 
 @dataclass(frozen=True)
@@ -50,37 +51,36 @@ class PromptLayout:
 @dataclass(frozen=True)
 class CachedImage:
     """What the image-KV store holds for a key: ``length`` tokens of KV whose keys are rotated to
-    positions starting at ``position``."""
+    positions starting at ``position``, computed when the image was image ``index`` of its prompt
+    (None: computed alone, or not known)."""
 
     length: int
     position: int
+    index: int | None = None
 
     def __post_init__(self) -> None:
         check_int("CachedImage.length", self.length, 1)
         check_int("CachedImage.position", self.position, 0)
+        if self.index is not None:
+            check_int("CachedImage.index", self.index, 0)
 
 
 @dataclass(frozen=True)
 class RecomputeBudget:
     """How much of the reused KV to recompute: ``rates[l]`` of the reused tokens at layer ``l``
-    (non-increasing with depth, e.g. ``LayerBudget.rates``), ordered by the two tracks: span heads
-    (``head_fraction`` of each span) and, if ``tracks == "both"``, relevance (``track2_share`` of the
-    order while both tracks last). ``relevance=False`` keeps track 2 in position order (no scores)."""
+    (non-increasing with depth, e.g. ``LayerBudget.rates``), in the order of the repair
+    ``method`` (:mod:`samcache.recompute.method`; default two-track)."""
 
     rates: tuple[float, ...]
-    head_fraction: float = 0.1
-    track2_share: float = 0.5
-    tracks: str = "both"
-    relevance: bool = True
+    method: RepairMethod = field(default_factory=TwoTrack)
 
     def __post_init__(self) -> None:
         rates = tuple(float(r) for r in self.rates)
         if any(not 0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
             raise ValueError(f"rates must be in [0, 1] and non-increasing with depth, got {list(rates)}")
-        if self.tracks not in ("both", "heads"):
-            raise ValueError(f"tracks must be 'both' or 'heads', got {self.tracks!r}")
-        check_fraction("head_fraction", self.head_fraction)
-        check_fraction("track2_share", self.track2_share)
+        if not isinstance(self.method, RepairMethod):
+            raise TypeError(f"method must be a RepairMethod (samcache.recompute.repair_method(name)), "
+                            f"got {type(self.method).__name__}")
         object.__setattr__(self, "rates", rates)
 
     @classmethod
@@ -89,32 +89,33 @@ class RecomputeBudget:
 
     @property
     def wants_scores(self) -> bool:
-        """Track 2 is ordered by relevance scores."""
-        return self.tracks == "both" and self.relevance
+        """The order reads relevance scores from before the forward."""
+        return self.method.scores == "relevance"
 
     def quota(self, reused_tokens: int) -> list[int]:
         """How many of ``reused_tokens`` each layer recomputes."""
-        return tokens_per_layer(self.rates, reused_tokens)
+        return self.method.quota(self.rates, reused_tokens)
 
     def order(self, spans: Sequence[ReusedSpan], quota: Sequence[int], scores: np.ndarray | None = None
               ) -> RecomputePlan:
-        """The two-track recompute order of ``spans`` with these quotas (scores: track 2's
-        relevance of every position; ignored unless :attr:`wants_scores`)."""
-        return plan_recompute(spans, quota, scores if self.wants_scores else None, head_fraction=self.head_fraction,
-                              track2_share=self.track2_share, tracks=self.tracks)
+        """The method's recompute order of ``spans`` with these quotas (scores: relevance of every
+        position; read only by methods that want them)."""
+        return self.method.order(spans, quota, scores if self.wants_scores else None)
 
 
 @dataclass(frozen=True)
 class SplicedSpan:
     """Prompt tokens ``[start, start + length)`` take image ``image``'s cached KV from its token
     ``offset`` on (the exact prefix may already hold the image's first tokens), keys rotated by
-    ``delta`` positions."""
+    ``delta`` positions. ``moved``: the KV was computed at another index among the images (or
+    alone, or where is not known)."""
 
     image: int
     start: int
     length: int
     offset: int
     delta: int
+    moved: bool = True
 
     @property
     def end(self) -> int:
@@ -144,7 +145,7 @@ class ReusePlan:
     layer_rows: tuple[np.ndarray, ...]
     vit_images: tuple[int, ...]
     exact_tokens: int
-    needs_scores: bool = False  # track 2 wants relevance scores: call with_scores() before executing
+    needs_scores: bool = False  # the order wants relevance scores: call with_scores() before executing
     budget: RecomputeBudget | None = field(default=None, repr=False)
     image_tokens: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)  # (index, start, end)
 
@@ -159,7 +160,14 @@ class ReusePlan:
     @property
     def reused_spans(self) -> list[ReusedSpan]:
         """The spliced token ranges, as the recompute policy takes them."""
-        return [ReusedSpan(s.start, s.length) for s in self.spliced]
+        return [ReusedSpan(s.start, s.length, s.moved) for s in self.spliced]
+
+    @property
+    def select_layer(self) -> int | None:
+        """Where the forward picks which reused tokens the later layers recompute (the repair
+        method's second phase: layers up to it recompute every reused token); None: ``layer_rows``
+        are final."""
+        return None if self.recompute is None else self.budget.method.select_layer
 
     @property
     def rows(self) -> np.ndarray:

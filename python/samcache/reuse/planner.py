@@ -14,9 +14,13 @@ Rules (docs/design.md, "The reuse plan"):
    ``delta = new position - cached position``. An image the prefix covers in part is spliced from
    the first token the prefix does not hold.
 3. Everything else is new and computed at every layer.
-4. Of the spliced tokens, layer ``l`` recomputes ``ceil(rates[l] * reused)``, chosen by the two-track
-   order of :func:`samcache.recompute.plan_recompute`; with ``relevance`` on, track 2 wants
-   relevance scores (``plan.needs_scores``; :meth:`ReusePlan.with_scores` supplies them).
+4. A spliced image has *moved* when its KV was computed at another index among the prompt's
+   images (or alone, or where is not known): its KV may be wrong in more than its positions.
+5. Of the spliced tokens, layer ``l`` recomputes ``ceil(rates[l] * reused)`` (the repair method
+   may raise the first layers' quotas), in the repair method's order
+   (:mod:`samcache.recompute.method`); a method that orders by relevance wants scores
+   (``plan.needs_scores``; :meth:`ReusePlan.with_scores` supplies them), one that picks in the
+   forward says where (``plan.select_layer``).
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def plan_reuse(
         if entry.length != slot.length:
             raise ValueError(f"image {slot.index} has {slot.length} tokens but its cached KV has {entry.length}: "
                              "a store must never return another image's entry")
-        spliced.append(SplicedSpan(slot.index, lo, hi - lo, lo - slot.start, slot.position - entry.position))
+        spliced.append(SplicedSpan(slot.index, lo, hi - lo, lo - slot.start, slot.position - entry.position,
+                                   moved=entry.index != slot.index))
         is_new[lo:hi] = False
 
     plan = ReusePlan(

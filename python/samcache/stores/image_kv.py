@@ -56,6 +56,7 @@ class HeldImage:
     check: Any = None
     kept: tuple[np.ndarray, ...] | None = None  # packed (compressed): per layer, the image's tokens it holds
     merges: tuple = ()  # packed: its stages' merges (layer, token offsets, target offsets, weights)
+    index: int | None = None  # the image's index among its prompt's images when computed (None: alone, or unknown)
 
     @property
     def packed(self) -> bool:
@@ -127,9 +128,12 @@ class ImageKVStore:
 
     # ---- inserts and evictions --------------------------------------------------------------------
     def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None,
-            namespace: Namespace | None = None) -> bool:
+            namespace: Namespace | None = None, index: int | None = None) -> bool:
         """Hold the KV of tokens ``[start, start + length)`` of live sequence ``seq`` (already written)
-        under ``key``. False if the key is present or the image alone exceeds the capacity."""
+        under ``key``, computed as image ``index`` of its prompt (None: alone). False if the key is
+        present or the image alone exceeds the capacity."""
+        if index is not None:
+            check_int("index", index, 0)
         check_int("start", start, 0)
         check_int("length", length, 1)
         check_int("position", position, 0)
@@ -142,11 +146,12 @@ class ImageKVStore:
             self.entries.stats.rejected += 1
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
-        return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check), size)
+        return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check, index=index),
+                          size)
 
     def put_packed(self, key: ContentKey, kept: tuple[np.ndarray, ...], source_rows: np.ndarray, length: int,
                    position: int, copy_rows: Callable[[np.ndarray, np.ndarray], None], check: Any = None,
-                   namespace: Namespace | None = None, merges: tuple = ()) -> bool:
+                   namespace: Namespace | None = None, merges: tuple = (), index: int | None = None) -> bool:
         """Hold a compressed image: ``kept[l]`` (ascending token offsets within the image) are the
         tokens layer ``l`` holds, ``source_rows`` their flat rows in the caches now (layer by layer,
         in that order); ``copy_rows(src, dst)`` copies flat rows; ``merges``: the stages' merges, for
@@ -173,7 +178,7 @@ class ImageKVStore:
         except BaseException:
             self.pool.free_sequence(holder)
             raise
-        return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept), tuple(merges)),
+        return self._keep(HeldImage(holder, 0, length, position, key, namespace, check, tuple(kept), tuple(merges), index),
                           size)
 
     def packed_blocks(self, kept: tuple[np.ndarray, ...]) -> int:

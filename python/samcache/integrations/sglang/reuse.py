@@ -18,6 +18,7 @@ import torch
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
+from samcache.reuse import image_key
 from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import Rotary
 from samcache.integrations.settings import ReuseSettings
@@ -25,7 +26,6 @@ from samcache.integrations.sglang.attention import SamcacheAttnBackend
 from samcache.integrations.sglang.identity import image_refs, model_fingerprint
 from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.sglang.step import PoolWriter, ReuseStats, SglangStep, plan_step, save_images
-from samcache.reuse import RecomputeBudget
 
 logger = logging.getLogger("sglang.samcache")
 ENV_SETTINGS = "SAMCACHE_SGLANG"
@@ -151,8 +151,8 @@ class ModelReuse:
             raise ValueError("samcache: the SGLang plugin does not support the HF deepstack order (RL on-policy mode)")
         self.rotary = Rotary.of(language_model.layers[0].self_attn.rotary_emb, "SGLang")
         self.attention_layers = [layer.self_attn.attn for layer in language_model.layers]
-        self.budget = RecomputeBudget(rates=self.settings.layer_rates(self.num_layers),
-                                      head_fraction=self.settings.head_fraction, relevance=False)
+        self.budget = self.settings.budget(self.num_layers)
+        self.keep_image_order = self.settings.keeps_image_order(self.num_layers)
         self.store = store if store is not None else _process_store()
         self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype
@@ -182,7 +182,8 @@ class ModelReuse:
         for b, (rid, agent) in enumerate(agents):
             refs = image_refs(mm_inputs[b]) if b < len(mm_inputs) and mm_inputs[b] is not None else []
             self.policy.observe(rid if rid is not None else ("batch", id(forward_batch), b), agent,
-                                [namespace(b).key(r.content) for r in refs if r.content is not None])
+                                [image_key(namespace(b), r.content, index, self.keep_image_order)
+                                 for index, r in enumerate(refs) if r.content is not None])
         self.policy.apply()  # before this step's images are stored (and others evicted)
 
     def begin(self, forward_batch: Any) -> SglangStep | None:
@@ -206,7 +207,7 @@ class ModelReuse:
         cache = PoolWriter(backend.token_to_kv_pool, self.attention_layers)
         return plan_step(forward_batch, cache=cache, rotary=self.rotary, store=self.store,
                          namespace_of=self.namespace_of(forward_batch), budget=self.budget,
-                         num_layers=self.num_layers)
+                         num_layers=self.num_layers, keep_image_order=self.keep_image_order)
 
     def finish(self, step: SglangStep, forward_batch: Any) -> None:
         backend = get_attn_backend()

@@ -5,9 +5,10 @@ SGLang hands the model every request's extend range (``extend_prefix_lens`` / ``
 the radix cache already holds the prefix), its KV slots (``out_cache_loc``), its M-RoPE positions
 and its images (``mm_inputs``). For every request whose extend range holds whole images:
 
-1. :func:`samcache.reuse.plan_reuse` (the engine-independent planner, the reference engine's)
-   decides from the images the store holds which tokens take cached KV and which rows each layer
-   computes (new rows + the layer's recompute rows);
+1. the per-request path samcache's engine runs too (:func:`samcache.reuse.plan_request`, through
+   :class:`~samcache.integrations.forward_plan.StepPlan`) decides from the images the store holds
+   which tokens take cached KV and which rows each layer computes (new rows + the layer's
+   recompute rows, in the configured repair method's order);
 2. the spliced images' keys are re-rotated to their new ``mrope_positions`` and written, with their
    values, into the request's slots through SGLang's own ``set_kv_buffer``;
 3. the model override runs each layer on its rows only, and the ``samcache`` attention backend
@@ -28,9 +29,9 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from samcache.hashing import Namespace
-from samcache.integrations.forward_plan import PendingSave, ReuseCounters, Rotary, layer_rows, splice_image
+from samcache.integrations.forward_plan import PendingSave, RequestImage, Rotary, StepPlan, layer_rows
 from samcache.integrations.sglang.identity import image_refs
-from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
+from samcache.reuse import RecomputeBudget, ReuseCounters
 
 
 class ReuseStats(ReuseCounters):
@@ -78,7 +79,7 @@ def host_ints(host_values: Any, values: Any) -> np.ndarray:
 
 def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: Any,
               namespace_of: Callable[[int], Namespace], budget: RecomputeBudget | None,
-              num_layers: int) -> SglangStep | None:
+              num_layers: int, keep_image_order: bool = False) -> SglangStep | None:
     """Plan and prepare one extend forward: splice the stored images into the pool, pick each
     layer's rows, list the images to save. None when nothing is to be done."""
     mm_inputs = forward_batch.mm_inputs
@@ -100,55 +101,23 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     logprob_start = getattr(forward_batch, "extend_logprob_start_lens_cpu", None)
     wants_prompt_rows = [bool(forward_batch.return_logprob) and logprob_start is not None
                          and int(logprob_start[b]) < int(lens[b]) for b in range(lens.size)]
-    stats = ReuseStats()
-    saves: list[PendingSave] = []
-    skipped = np.zeros(total, dtype=bool)
-    recompute: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
+    plan = StepPlan(total, num_layers, counters=ReuseStats())
     for b, inputs in enumerate(mm_inputs):
         if inputs is None:
             continue
         begin, end, base = int(prefix[b]), int(prefix[b] + lens[b]), int(starts[b])
-        namespace = namespace_of(b)
-        image_slots, entries = [], {}
-        for ref in image_refs(inputs, within=(begin, end)):
-            if ref.offset < begin or ref.offset + ref.length > end or ref.content is None:
-                continue  # in the cached prefix, cut by a chunk boundary, or not nameable: SGLang computes it
-            key = namespace.key(ref.content)
-            if key in entries or any(p.key == key for p in saves):
-                continue
-            entry = None if splice_none or wants_prompt_rows[b] else store.get(key, check=(ref.length,))
-            if entry is None:
-                stats.images_missed += 1
-                rows = torch.arange(base + ref.offset - begin, base + ref.offset - begin + ref.length)
-                saves.append(PendingSave(key, rows, positions[:, rows].cpu().clone()))
-                continue
-            entries[key] = entry
-            # The planner's position only sets its span delta; keys move by per-token deltas below.
-            image_slots.append(ImageSlot(len(image_slots), ref.offset, ref.length, key, int(entry.positions[0, 0])))
-        stats.scheduled_tokens += end - begin
-        if not entries:
-            continue
-        layout = PromptLayout(num_tokens=end, images=tuple(image_slots))
-        cached = {key: CachedImage(e.k.size(1), int(e.positions[0, 0])) for key, e in entries.items()}
-        plan = plan_reuse(layout, prefix_tokens=begin, cached=cached, budget=budget, num_layers=num_layers)
-        for span in plan.spliced:
-            entry = entries[image_slots[span.image].key]
-            rows = torch.arange(base + span.start - begin, base + span.end - begin)
-            splice_image(entry, slice(span.offset, span.offset + span.length), positions[:, rows].cpu(),
-                         slots[rows.to(slots.device)], cache, rotary, num_layers)
-            skipped[rows.numpy()] = True
-            stats.images_reused += 1
-        if plan.recompute is not None:
-            for layer in range(num_layers):
-                recompute[layer].append(plan.recompute.positions(layer).astype(np.int64) + base - begin)
-        stats.reused_tokens += plan.image_reused_tokens
-        stats.recomputed_tokens += plan.recomputed_tokens
-        stats.recomputed_token_layers += plan.recomputed_token_layers
+        images = [RequestImage(ref.content, ref.offset, ref.length)
+                  for ref in image_refs(inputs, within=(begin, end))]
+        plan.add_request(images, begin=begin, end=end, base=base, namespace=namespace_of(b), store=store,
+                         budget=budget, keep_image_order=keep_image_order, positions=positions, slots=slots,
+                         cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]))
+    stats, saves, skipped = plan.counters, plan.saves, plan.skipped
     stats.images_saved = len(saves)
+    recompute = plan.recompute
     if not skipped.any():
         if not saves:
             return None
-        stats.computed_tokens = stats.scheduled_tokens
+        stats.computed_tokens = stats.prompt_tokens
         stats.steps = 1
         return SglangStep(rows=None, select=[], saves=saves, stats=stats)
     # Each request's last row is always computed: SGLang samples from it.

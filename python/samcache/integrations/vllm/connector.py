@@ -31,10 +31,10 @@ from samcache.integrations.vllm import metrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
 from samcache.hashing import Namespace
 from samcache.integrations.store_policy import StorePolicy
-from samcache.integrations.vllm.identity import model_fingerprint, store_key
+from samcache.integrations.vllm.identity import model_fingerprint
 from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
-                                             plan_forward)
-from samcache.reuse import RecomputeBudget
+                                             plan_forward, request_images)
+from samcache.reuse import RecomputeBudget, image_key
 from samcache.stores import TensorStore
 
 logger = logging.getLogger("vllm.samcache")  # under vLLM's logger: its handlers and format
@@ -86,6 +86,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._num_layers = 0
         self._rotary: Rotary | None = None
         self._budget: RecomputeBudget | None = None
+        self._keep_order = False
         self._step: ForwardStep | None = None
         logger.info("samcache: vLLM plugin on (recompute %s, store %.1f MiB)",
                     list(self.config.recompute_rates) if self.config.recompute_rates else self.config.recompute_ratio,
@@ -154,8 +155,11 @@ class SamcacheConnector(KVConnectorBase_V1):
     @staticmethod
     def _add_step(steps: list[RequestStep], req_id: str, tracked: _Tracked, start: int, num: int) -> None:
         end = min(start + num, tracked.prompt_len)
-        images = tuple(i for i in tracked.images if start < i.offset + i.length <= end)
-        if images and start + num <= tracked.prompt_len:  # prompt tokens only (no decode in the range)
+        # Every image up to the step's end, in prompt order: an image's index among them keys its KV
+        # where the order is kept; a step is planned where an image ends in it.
+        images = tuple(i for i in tracked.images if i.offset + i.length <= end)
+        ends_here = any(start < i.offset + i.length for i in images)
+        if ends_here and start + num <= tracked.prompt_len:  # prompt tokens only (no decode in the range)
             steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant,
                                      tracked.agent))
 
@@ -172,8 +176,8 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._cache = VllmCacheWriter([name for name, _ in ordered], [kv for _, kv in ordered])
         self._num_layers = len(ordered)
         metrics.set_gauges(num_layers=self._num_layers)
-        self._budget = RecomputeBudget(rates=self.config.layer_rates(self._num_layers),
-                                       head_fraction=self.config.head_fraction, relevance=False)
+        self._budget = self.config.budget(self._num_layers)
+        self._keep_order = self.config.keeps_image_order(self._num_layers)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # the KV is written when the forward starts: it needs the step's M-RoPE positions
@@ -192,7 +196,8 @@ class SamcacheConnector(KVConnectorBase_V1):
         if self.policy.tracks:
             for s in meta.steps:
                 namespace = Namespace(self.model_id, s.tenant)
-                keys = [k for k in (store_key(ref.identifier, namespace) for ref in s.images) if k is not None]
+                keys = [image_key(namespace, image.content, index, self._keep_order)
+                        for index, image in enumerate(request_images(s)) if image.content is not None]
                 self.policy.observe(s.req_id, s.agent, keys)
             self.policy.apply()  # before this step's images are stored (and others evicted)
         planned = [s for s in meta.steps if s.images]
@@ -213,7 +218,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         first_layer = next(name for name, index in self._layer_of.items() if index == 0)
         self._step = plan_forward(planned, attn_metadata=attn.get(first_layer), positions=positions,
                                   cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,
-                                  budget=self._budget, num_layers=self._num_layers)
+                                  budget=self._budget, num_layers=self._num_layers, keep_image_order=self._keep_order)
         return self._step
 
     def layer_of(self, layer_name: str) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from samcache.hashing import ContentKey, Namespace, hash_bytes
+from samcache.hashing import ContentHash, ContentKey, Namespace, hash_bytes
 
 PREFIX = "samcache:"
 
@@ -26,12 +26,19 @@ def content_identifier(vllm_hash: str) -> str:
     return PREFIX + vllm_hash
 
 
-def store_key(identifier: str, namespace: Namespace) -> ContentKey | None:
-    """The store key of an image identifier under ``namespace``; None for identifiers that are
-    not content hashes (never reused)."""
+def content_of(identifier: str) -> ContentHash | None:
+    """The content of an image named by ``identifier``; None for identifiers that are not content
+    hashes (never reused)."""
     if not isinstance(identifier, str) or not identifier.startswith(PREFIX) or len(identifier) <= len(PREFIX):
         return None
-    return namespace.key(hash_bytes(identifier.encode()))
+    return hash_bytes(identifier.encode())
+
+
+def store_key(identifier: str, namespace: Namespace) -> ContentKey | None:
+    """The store key of an image identifier under ``namespace`` (by content alone); None for
+    identifiers that are not content hashes."""
+    content = content_of(identifier)
+    return None if content is None else namespace.key(content)
 
 
 def model_fingerprint(vllm_config: Any) -> str:

@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import asdict, dataclass
 
-from samcache.integrations.forward_plan import ReuseCounters
+from samcache.reuse import ReuseCounters
 
 
 @dataclass

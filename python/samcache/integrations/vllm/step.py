@@ -3,9 +3,11 @@
 vLLM's scheduler counts every prompt token past its exact prefix as computed in this step (a KV
 connector can only extend the prefix). The plugin keeps that bookkeeping and changes the work:
 
-1. For every request in whose scheduled tokens an image ends, :func:`samcache.reuse.plan_reuse`
-   (the engine-independent planner) decides, from the images the store holds, which tokens take
-   cached KV and which rows each layer computes (new rows + the layer's recompute rows).
+1. For every request in whose scheduled tokens an image ends, the per-request path samcache's
+   engine runs too (:func:`samcache.reuse.plan_request`, through
+   :class:`~samcache.integrations.forward_plan.StepPlan`) decides, from the images the store
+   holds, which tokens take cached KV and which rows each layer computes (new rows + the layer's
+   recompute rows, in the configured repair method's order).
 2. The spliced images' keys are re-rotated from their cached M-RoPE positions to the new ones
    (``rope_rerotate``, per-token deltas on all three M-RoPE axes) and written, with their values,
    straight into vLLM's paged cache at the request's slots through vLLM's own cache op (its CPU
@@ -32,9 +34,10 @@ import numpy as np
 import torch
 
 from samcache.hashing import Namespace
-from samcache.integrations.forward_plan import ImageKV, KVWriter, PendingSave, Rotary, layer_rows, splice_image
-from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, plan_reuse
-from samcache.integrations.vllm.identity import store_key
+from samcache.integrations.forward_plan import (ImageKV, KVWriter, PendingSave, RequestImage, Rotary, StepPlan,
+                                                layer_rows)
+from samcache.integrations.vllm.identity import content_of
+from samcache.reuse import RecomputeBudget
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -58,7 +61,8 @@ class ImageRef:
 @dataclass(frozen=True)
 class RequestStep:
     """What the scheduler scheduled for one request this step: prompt tokens ``[start, start +
-    num_tokens)``, the request's blocks, its images inside that range, its tenant and the agent
+    num_tokens)``, the request's blocks, its images up to the range's end (all of them, in prompt
+    order: an image's place among them is its index), its tenant and the agent
     it names (``kv_transfer_params["samcache_agent"]``; for the store's eviction policy)."""
 
     req_id: str
@@ -136,6 +140,12 @@ class ForwardStep:
         )
 
 
+def request_images(step: RequestStep) -> list[RequestImage]:
+    """A scheduled request's images in prompt order, named by content where vLLM named them from
+    pixels (:func:`~samcache.integrations.vllm.identity.content_of`)."""
+    return [RequestImage(content_of(ref.identifier), ref.offset, ref.length) for ref in step.images]
+
+
 def plan_forward(
     steps: Sequence[RequestStep],
     *,
@@ -147,9 +157,12 @@ def plan_forward(
     model_id: str,
     budget: RecomputeBudget | None,
     num_layers: int,
+    keep_image_order: bool = False,
 ) -> ForwardStep | None:
     """Plan and prepare one forward pass: splice the stored images (writing their KV into the
-    cache), pick each layer's rows, list the images to save. None when nothing is to be done."""
+    cache), pick each layer's rows, list the images to save. None when nothing is to be done.
+    ``keep_image_order``: an image's KV is keyed by its content and its index among the request's
+    images (reused only where it keeps its place)."""
     if attn_metadata is None or getattr(attn_metadata, "dynamic_causal", None) is not None:
         return None
     qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
@@ -162,11 +175,7 @@ def plan_forward(
     bs = cache.block_size
     first_slot = {int(slot_mapping[qsl[r]]): r for r in range(num_reqs) if qsl[r + 1] > qsl[r]}
 
-    saves: list[PendingSave] = []
-    skipped = np.zeros(total, dtype=bool)             # spliced rows no layer computes
-    recompute: list[list[np.ndarray]] = [[] for _ in range(num_layers)]
-    stats = dict(scheduled_tokens=0, reused_tokens=0, recomputed_tokens=0, recomputed_token_layers=0,
-                 images_reused=0, images_saved=0, images_missed=0)
+    plan = StepPlan(total, num_layers)
     for step in steps:
         r = first_slot.get(step.slot(step.start, bs)) if step.start // bs < len(step.block_ids) else None
         if r is None:
@@ -174,46 +183,13 @@ def plan_forward(
         base, q = int(qsl[r]), int(qsl[r + 1] - qsl[r])
         if q != step.num_tokens or int(seq[r]) - q != step.start:
             continue  # not the step the scheduler described: compute it as vLLM does
-        end = step.start + step.num_tokens
-        namespace = Namespace(model_id, step.tenant)
-        slots, entries = [], {}
-        for ref in step.images:
-            if ref.offset + ref.length <= step.start or ref.offset + ref.length > end:
-                continue  # held by the prefix, or cut by the chunk's end: computed as vLLM does
-            key = store_key(ref.identifier, namespace)
-            if key is None or any(s.key == key for s in slots):
-                continue
-            entry = store.get(key, check=(ref.length,))
-            if entry is None:
-                stats["images_missed"] += 1
-                if ref.offset >= step.start:  # computed whole in this step: save it
-                    lo = base + ref.offset - step.start
-                    rows = torch.arange(lo, lo + ref.length)
-                    saves.append(PendingSave(key, rows, positions[:, rows].clone()))
-                continue
-            entries[key] = entry
-            # The planner's position only sets its span delta; keys move by per-token deltas below.
-            slots.append(ImageSlot(len(slots), ref.offset, ref.length, key, int(entry.positions[0, 0])))
-        stats["scheduled_tokens"] += step.num_tokens
-        if not entries:
-            continue
-        layout = PromptLayout(num_tokens=end, images=tuple(slots))
-        cached = {key: CachedImage(e.k.size(1), int(e.positions[0, 0])) for key, e in entries.items()}
-        plan = plan_reuse(layout, prefix_tokens=step.start, cached=cached, budget=budget, num_layers=num_layers)
-        for span in plan.spliced:
-            entry = entries[slots[span.image].key]
-            rows = torch.arange(base + span.start - step.start, base + span.end - step.start)
-            cached_span = slice(span.offset, span.offset + span.length)
-            splice_image(entry, cached_span, positions[:, rows], slot_mapping[rows].to(torch.int64), cache, rotary,
-                         num_layers)
-            skipped[rows.numpy()] = True
-            stats["images_reused"] += 1
-        if plan.recompute is not None:
-            for layer in range(num_layers):
-                recompute[layer].append(plan.recompute.positions(layer).astype(np.int64) + base - step.start)
-        stats["reused_tokens"] += plan.image_reused_tokens
-        stats["recomputed_tokens"] += plan.recomputed_tokens
-        stats["recomputed_token_layers"] += plan.recomputed_token_layers
+        plan.add_request(request_images(step), begin=step.start, end=step.start + step.num_tokens, base=base,
+                         namespace=Namespace(model_id, step.tenant), store=store, budget=budget,
+                         keep_image_order=keep_image_order, positions=positions, slots=slot_mapping, cache=cache,
+                         rotary=rotary)
+    saves, skipped, recompute = plan.saves, plan.skipped, plan.recompute
+    stats = plan.counters.counters()
+    del stats["steps"]  # counted by the connector
     stats["images_saved"] = len(saves)
 
     common = dict(saves=saves, query_start_loc=qsl, seq_lens=seq,
@@ -221,15 +197,15 @@ def plan_forward(
     if not skipped.any():
         if not saves:
             return None
-        stats["computed_tokens"] = stats["scheduled_tokens"]
+        stats["computed_tokens"] = stats["prompt_tokens"]
         return ForwardStep(rows=None, select=[], slots=[], **common)
     rows, select = layer_rows(skipped, recompute, num_layers)
     slot_rows = []
     for layer in range(num_layers):
         slot_rows.append(slot_mapping[rows[layer]] if select[layer] is not None or not layer else slot_rows[-1])
-    stats["computed_tokens"] = stats["scheduled_tokens"] - int(skipped.sum()) + stats["recomputed_tokens"]
+    stats["computed_tokens"] = stats["prompt_tokens"] - int(skipped.sum()) + stats["recomputed_tokens"]
     return ForwardStep(rows=rows, select=select, slots=slot_rows, **common)
 
 
-__all__ = ["AttentionBatch", "KVWriter", "ForwardStep", "ImageKV", "ImageRef", "PendingSave", "RequestStep",
+__all__ = ["AttentionBatch", "KVWriter", "ForwardStep", "ImageKV", "ImageRef", "PendingSave", "RequestStep", "request_images",
            "Rotary", "layer_index", "plan_forward"]
