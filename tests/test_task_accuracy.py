@@ -299,3 +299,19 @@ def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kep
     assert rows["uniform-budget boundary @ 0.5"]["reuse_kept"] == pytest.approx(reuse_kept(half, free))
     with pytest.raises(ValueError, match="unknown recompute method"):
         evaluate_traces(model, traces, modes=["samcache"], methods="blend", calibrate=False, progress=False)
+
+
+def test_a_method_a_mode_cannot_run_is_refused_before_any_run(model, monkeypatch):
+    from samcache.engine import SAMcacheEngine
+
+    built = []
+    init = SAMcacheEngine.__init__
+    monkeypatch.setattr(SAMcacheEngine, "__init__", lambda self, *a, **k: built.append(k) or init(self, *a, **k))
+    traces = [visual_qa.trace(1, scenario="gui", turns=2, window=2)]
+    with pytest.raises(ValueError, match="head-only is two-track's track 1 alone: .* not boundary"):
+        evaluate_traces(model, traces, modes=["samcache", "head-only"], methods="two-track,boundary", calibrate=False,
+                        progress=False)
+    with pytest.raises(ValueError, match="vllm-samcache runs the plugin's methods .*; isolated need"):
+        evaluate_traces(model, traces, modes=["baseline", "vllm-samcache"], methods="boundary,isolated",
+                        calibrate=False, progress=False, vllm_python="/nonexistent")
+    assert built == []  # no engine was built, nothing ran

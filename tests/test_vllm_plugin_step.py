@@ -270,6 +270,14 @@ def test_keep_image_order_keys_image_kv_by_content_and_index():
     free = _two_image_step(store, keep_image_order=False)
     assert free.stats["image_reused_tokens"] == 6 and free.stats["image_kv_hits"] == 1
     assert free.stats["image_kv_misses"] == 1  # A
+    # An image vLLM did not name from its pixels (a client's uuid) is never a candidate: no miss.
+    _, _, _, _, md, positions = build()
+    steps = [RequestStep("r0", 2, 14, (7, 3, 9, 4), (ImageRef("client-uuid", 3, 3),
+                                                     ImageRef(content_identifier("abc123"), 8, 6)), "t")]
+    named = plan_forward(steps, attn_metadata=md, positions=positions, cache=Writer(), rotary=ROTARY, store=store,
+                         model_id=MODEL, budget=None, num_layers=L)
+    assert named.stats["image_kv_misses"] == 0 and named.stats["image_kv_hits"] == 1
+    assert [s.key for s in named.saves] == []  # nothing to save: the unnamed image is never stored
 
 
 def test_the_plugin_orders_recompute_by_the_same_per_request_path_as_the_engine():

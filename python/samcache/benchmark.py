@@ -106,6 +106,21 @@ def parse_modes(modes: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def check_mode_methods(modes: Sequence[str], methods: Sequence[str | None]) -> None:
+    """Refuse, before any run, a repair method a mode cannot run with: ``head-only`` is two-track's
+    track 1 alone; the vLLM plugin runs the methods whose order needs nothing but the plan."""
+    from samcache.integrations.settings import PLUGIN_METHODS
+
+    named = [m for m in methods if m is not None]
+    if "head-only" in modes and any(m != "two-track" for m in named):
+        raise ValueError(f"mode head-only is two-track's track 1 alone: it runs with method two-track, not "
+                         f"{', '.join(m for m in named if m != 'two-track')}")
+    refused = [m for m in named if m not in PLUGIN_METHODS]
+    if "vllm-samcache" in modes and refused:
+        raise ValueError(f"mode vllm-samcache runs the plugin's methods ({', '.join(PLUGIN_METHODS)}); "
+                         f"{', '.join(refused)} need samcache's own forward")
+
+
 def parse_keeps(keeps: str | Sequence[float]) -> list[float]:
     """Compression keep ratios: numbers in (0, 1], comma-separated."""
     try:
@@ -292,6 +307,7 @@ def run_benchmark(
     shared = SAMcacheEngine(model_path, **{**base, "kv_cache_bytes": 1 << 20})  # holds the weights for all
     base["share_weights_with"] = shared
     method_names = [None] if methods is None else parse_methods(methods)
+    check_mode_methods(modes, method_names)
     runs = [(m, r, k, a) for m in modes if not MODES[m].peer for a in (method_names if MODES[m].recomputes else [None])
             for r in (recompute if MODES[m].recomputes else [None])
             for k in (keeps if not MODES[m].new_content_only else [None])]
@@ -485,4 +501,4 @@ def run_benchmark(
     return {"meta": meta, "trace": trace.summary(), "modes": {m: MODES[m].description for m in modes}, "runs": results}
 
 
-__all__ = ["MODES", "Mode", "parse_keeps", "parse_modes", "parse_ratios", "run_benchmark", "summarize"]
+__all__ = ["MODES", "Mode", "check_mode_methods", "parse_keeps", "parse_modes", "parse_ratios", "run_benchmark", "summarize"]

@@ -798,7 +798,10 @@ class Executor:
             position = int(pre.prompt.positions[0, span.start])
             seq, start, index = pre.seq, span.start, span.index
             if pre.options.isolated_images:
-                seq, start, index = self._isolated(pre, span), 1, None
+                try:
+                    seq, start, index = self._isolated(pre, span), 1, None
+                except (OutOfBlocks, PromptTooLong):
+                    pass  # no room to compute it alone now: keep the turn's own KV (its index says where it was)
             try:
                 self.image_kv_store.put(key, seq, start, span.length, position, check=check,
                                         namespace=pre.namespace, index=index)

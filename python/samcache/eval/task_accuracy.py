@@ -109,7 +109,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     serving every trace in turn, vanilla or with samcache's plugin at each ratio and (plugin)
     method, ``keep_image_order`` and, for ``"auto"``, the curves calibrated on samcache's engine
     (``sensitivity``): the same settings the engine runs with."""
-    from samcache.benchmark import MODES, mode_engine_kwargs, parse_modes, parse_ratios
+    from samcache.benchmark import MODES, check_mode_methods, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.engine.api import CALIBRATION_CONTINUATION
     from samcache.recompute.method import parse_methods
@@ -117,6 +117,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
 
     modes = parse_modes(list(modes))
     recompute = parse_ratios(list(recompute))
+    method_names = [None] if methods is None else parse_methods(methods)
+    check_mode_methods(modes, method_names)
     floors = [m for m in modes if MODES[m].new_content_only]
     if floors:
         raise ValueError(f"task accuracy scores whole turns; {', '.join(floors)} cannot answer the traces")
@@ -142,7 +144,6 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     shared = SAMcacheEngine(model_path, device=device, kv_cache_bytes=1 << 20, sensitivity=sensitivity,
                             keep_image_order=keep_image_order)
     shares = [None] if track2_shares is None else parse_shares(track2_shares)
-    method_names = [None] if methods is None else parse_methods(methods)
     runs = [(m, r, s, k) for m in modes for k in (method_names if MODES[m].recomputes else [None])
             for r in (recompute if MODES[m].recomputes else [None])
             for s in (shares if _two_track(m, k) and r else [None])]
@@ -150,8 +151,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     base = {"device": device, "kv_cache_bytes": kv_cache_bytes, "share_weights_with": shared,
             "keep_image_order": keep_image_order}
     curves_of: dict = {}  # per method: the curves its runs read
-    wants_curves = [k for m, _, _, k in runs if MODES[m].reads_curves
-                    or (m == "vllm-samcache" and keep_image_order == "auto")]
+    # The plugin reads the curves as the samcache mode does (layer-aware rates, the order check).
+    wants_curves = [k for m, _, _, k in runs if MODES[m].reads_curves or m == "vllm-samcache"]
     for method in dict.fromkeys(wants_curves):
         curves_of[method] = given
         if given is None and calibrate:
@@ -170,7 +171,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     for mode, ratio, share, method in runs:
         if MODES[mode].peer:
             turns = _vllm_turns(model_path, traces, mode, ratio, method, keep_image_order, curves_of.get(method, given),
-                                max_new_tokens, vllm_python, shared.model_id)
+                                max_new_tokens, vllm_python, shared)
             if bar is not None:
                 bar.update(len(turns))
             results.append({"mode": mode, "recompute": ratio, "track2_share": None, "method": method,
@@ -216,10 +217,12 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
 
 
 def _vllm_turns(model_path, traces, mode: str, ratio: float | None, method: str | None, keep_image_order,
-                curves, max_new_tokens: int | None, vllm_python: str, model_id: str) -> list[dict]:
+                curves, max_new_tokens: int | None, vllm_python: str, engine) -> list[dict]:
     """Every turn of ``traces`` answered by the real vLLM (one process serving all of them in
-    order), vanilla (``vllm``) or with samcache's plugin at ``ratio`` (``vllm-samcache``), scored
-    as the engine's turns are."""
+    order, as a server would: the traces share no image, so only exact prefix hits carry over
+    from one to the next), vanilla (``vllm``) or with samcache's plugin at ``ratio``
+    (``vllm-samcache``), scored as the engine's turns are. ``engine``: samcache's engine of the
+    same checkpoint (the model id, the prompts' lengths)."""
     import json
     import tempfile
 
@@ -236,11 +239,14 @@ def _vllm_turns(model_path, traces, mode: str, ratio: float | None, method: str 
             if curves is not None:
                 path = f"{scratch}/sensitivity.json"
                 with open(path, "w", encoding="utf-8") as f:
-                    json.dump(curves.to_dict(model_id), f)
+                    json.dump(curves.to_dict(engine.model_id), f)
                 config["sensitivity"] = path
+        limits = [max_new_tokens or t.max_new_tokens for _, t, _ in flat]
+        longest = max(len(engine.build_prompt(t.messages)) + limit for (_, t, _), limit in zip(flat, limits))
         out = run_trace([t.messages for _, t, _ in flat], model_path, python=vllm_python, samcache=config,
-                        max_tokens=[max_new_tokens or t.max_new_tokens for _, t, _ in flat],
-                        max_model_len=4096, timeout_s=6 * 3600.0)
+                        max_tokens=limits, max_model_len=-(-(longest + 64) // 256) * 256, timeout_s=6 * 3600.0)
+    if len(out["turns"]) != len(flat):
+        raise RuntimeError(f"vLLM answered {len(out['turns'])} of the {len(flat)} turns")
     turns, before = [], {}
     for (index, turn, moved), record in zip(flat, out["turns"]):
         counters = record.get("samcache") or {}

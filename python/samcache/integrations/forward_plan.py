@@ -206,7 +206,9 @@ class StepPlan:
             moved = request.recompute_rows(layer)
             if moved.size:
                 self.recompute[layer].append(moved + base - begin)
-        self.counters.count(request, scheduled_tokens=end - begin)
+        # Images that cannot be named were never candidates: not counted as misses.
+        self.counters.count(request, scheduled_tokens=end - begin,
+                            uncounted=sum(slot.key in unnamed for slot in request.misses))
 
 
 __all__ = ["ImageKV", "KVWriter", "PendingSave", "RequestImage", "Rotary", "StepPlan", "layer_rows", "splice_image"]

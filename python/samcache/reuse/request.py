@@ -96,16 +96,17 @@ class ReuseCounters:
     image_kv_misses: int = 0          # ... and not found (computed; stored where they are whole)
     images_saved: int = 0             # images the store took
 
-    def count(self, request: RequestPlan, scheduled_tokens: int | None = None) -> None:
+    def count(self, request: RequestPlan, scheduled_tokens: int | None = None, uncounted: int = 0) -> None:
         """Add one request's plan (``scheduled_tokens``: the tokens it scheduled, default: the
-        plan's tokens past the prefix)."""
+        plan's tokens past the prefix; ``uncounted``: misses that were never candidates, e.g.
+        images an engine cannot name)."""
         plan = request.plan
         self.prompt_tokens += plan.num_tokens - plan.prefix_tokens if scheduled_tokens is None else scheduled_tokens
         self.image_reused_tokens += plan.image_reused_tokens
         self.recomputed_tokens += plan.recomputed_tokens
         self.recomputed_token_layers += plan.recomputed_token_layers
         self.image_kv_hits += request.hit_images
-        self.image_kv_misses += len(request.misses)
+        self.image_kv_misses += len(request.misses) - uncounted
 
     def add(self, other: "ReuseCounters") -> None:
         for name in ReuseCounters.__dataclass_fields__:
