@@ -123,7 +123,8 @@ ctest: install
 
 # SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
 pytest: install vllm-env vllm-plugin sglang-env sglang-plugin
-	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) $(PY) -m pytest -q tests \
+	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) SAMCACHE_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_PY) \
+	  $(PY) -m pytest -q tests \
 	  --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin
 	@# samcache's vLLM plugin, end to end through the real vLLM: in vLLM's environment
 	$(VLLM_PY) -m pytest -q tests/vllm_plugin

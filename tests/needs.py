@@ -35,3 +35,10 @@ def need_program(name: str, install_hint: str) -> str:
     if path is None:
         _missing(f"{name} is not on PATH; {install_hint}")
     return path
+
+
+def need_file(path: str, install_hint: str) -> str:
+    """``path`` if it is a file (e.g. another environment's Python); skip (or fail) without it."""
+    if not os.path.isfile(path):
+        _missing(f"{path} does not exist; {install_hint}")
+    return path

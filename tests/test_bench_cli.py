@@ -233,6 +233,21 @@ def test_peer_launcher_checks_its_arguments_before_starting_vllm():
         run_trace([[{"role": "robot", "content": "x"}]], "/model")
     with pytest.raises(PeerUnavailable, match="'' is not an executable Python"):
         find_vllm_python("")
+    with pytest.raises(ValueError, match="model_path '/model' is not a checkpoint folder"):
+        run_trace(turns, "/model")
+
+
+def test_peer_launcher_hands_vllm_an_absolute_checkpoint_path(tmp_path, monkeypatch):
+    from samcache.peers.vllm_launcher import checkpoint_dir
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    # vLLM runs in a scratch folder: a relative path would be read there, or as a model-hub id.
+    assert checkpoint_dir("ckpt") == str(tmp_path.resolve() / "ckpt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="'empty' is not a checkpoint folder"):
+        checkpoint_dir("empty")
 
 
 def test_compression_sweep_runs_every_mode_per_keep_ratio(tiny_checkpoints, tmp_path):

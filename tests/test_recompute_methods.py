@@ -152,3 +152,17 @@ def test_plugin_settings_take_the_methods_the_plugins_can_run():
         ReuseSettings.from_mapping({"recompute_method": "blend"}, source="test")
     with pytest.raises(ValueError, match="head_fraction shapes recompute_method 'two-track', not 'boundary'"):
         ReuseSettings.from_mapping({"recompute_method": "boundary", "head_fraction": 0.2}, source="test")
+
+
+def test_plugin_settings_built_directly_are_checked_the_same_way():
+    """ReuseSettings built in code (the benches, a custom launcher) refuse a bad method, ratio or
+    order setting as from_mapping does: an unknown method would otherwise run as boundary."""
+    assert ReuseSettings(recompute_method="boundary").budget(2).method == Boundary()
+    with pytest.raises(ValueError, match=re.escape("recompute_method 'deviation' needs samcache's own forward")):
+        ReuseSettings(recompute_method="deviation")
+    with pytest.raises(ValueError, match="recompute_method 'blend' is not a recompute method"):
+        ReuseSettings(recompute_method="blend")
+    with pytest.raises(ValueError, match=re.escape("recompute_ratio must be a number in [0, 1], got 1.5")):
+        ReuseSettings(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="keep_image_order must be True, False or 'auto', got 'maybe'"):
+        ReuseSettings(keep_image_order="maybe")

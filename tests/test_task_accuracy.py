@@ -271,8 +271,8 @@ def test_paired_difference_counts_turns_each_run_alone_got_right():
         paired_difference(a, run([1, 1]))
 
 
-def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kept(model):
-    from samcache.eval.task_accuracy import comparisons, reuse_kept
+def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kept(model, tmp_path):
+    from samcache.eval.task_accuracy import comparisons, frontier_points, plot, reuse_kept
 
     traces = [visual_qa.trace(1, scenario="gui", turns=3, window=2)]
     out = evaluate_traces(model, traces, modes=["baseline", "uniform-budget"], recompute=[0.0, 0.5],
@@ -297,6 +297,18 @@ def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kep
     assert set(rows) == {"uniform-budget boundary @ 0", "uniform-budget boundary @ 0.5", "uniform-budget isolated @ 0",
                          "uniform-budget isolated @ 0.5"}
     assert rows["uniform-budget boundary @ 0.5"]["reuse_kept"] == pytest.approx(reuse_kept(half, free))
+    # The frontier: one line per method, points by ratio, the same from the runs and from a summary
+    # that kept only the comparisons (no per-turn replies).
+    points = frontier_points(out)
+    assert list(points) == ["uniform-budget boundary", "uniform-budget isolated"]
+    assert [p["recompute"] for p in points["uniform-budget boundary"]] == [0.0, 0.5]
+    assert points["uniform-budget boundary"][1]["reuse_kept"] == pytest.approx(reuse_kept(half, free))
+    assert points["uniform-budget boundary"][1]["difference"] == rows["uniform-budget boundary @ 0.5"]["difference"]
+    summary = {"traces": 1, "comparisons": comparisons(out),
+               "runs": [{k: v for k, v in r.items() if k != "turns"} for r in out["runs"]]}
+    assert frontier_points(summary) == points
+    plot(summary, tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
     with pytest.raises(ValueError, match="unknown recompute method"):
         evaluate_traces(model, traces, modes=["samcache"], methods="blend", calibrate=False, progress=False)
 
@@ -311,7 +323,7 @@ def test_a_method_a_mode_cannot_run_is_refused_before_any_run(model, monkeypatch
     with pytest.raises(ValueError, match="head-only is two-track's track 1 alone: .* not boundary"):
         evaluate_traces(model, traces, modes=["samcache", "head-only"], methods="two-track,boundary", calibrate=False,
                         progress=False)
-    with pytest.raises(ValueError, match="vllm-samcache runs the plugin's methods .*; isolated need"):
+    with pytest.raises(ValueError, match="recompute_method 'isolated' needs samcache's own forward: mode vllm-samcache"):
         evaluate_traces(model, traces, modes=["baseline", "vllm-samcache"], methods="boundary,isolated",
                         calibrate=False, progress=False, vllm_python="/nonexistent")
     assert built == []  # no engine was built, nothing ran

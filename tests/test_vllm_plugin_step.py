@@ -306,8 +306,9 @@ def test_the_plugin_orders_recompute_by_the_same_per_request_path_as_the_engine(
     assert step.stats["recomputed_token_layers"] == request.plan.recomputed_token_layers == 3 * L
 
 
-def test_plugin_settings_take_curves_and_the_order_setting(tmp_path):
+def test_plugin_settings_take_curves_and_the_order_setting(tmp_path, caplog):
     import json
+    import logging
 
     from samcache.recompute import SensitivityCurves
     from samcache.recompute.image_order import ImageOrderCheck
@@ -325,8 +326,15 @@ def test_plugin_settings_take_curves_and_the_order_setting(tmp_path):
     assert cfg.layer_rates(3) == (0.2, 0.1, 0.0)  # as the engine solves them
     assert not SamcacheVllmConfig.from_extra_config({"sensitivity": str(path), "keep_image_order": False}
                                                     ).keeps_image_order(3)
-    assert not SamcacheVllmConfig.from_extra_config({}).keeps_image_order(3)  # auto without curves: any index
-    assert SamcacheVllmConfig.from_extra_config({"keep_image_order": True}).keeps_image_order(3)
+    assert not any("without sensitivity curves" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="samcache"):
+        assert not SamcacheVllmConfig.from_extra_config({}).keeps_image_order(3)  # auto without curves: any index
+    assert [r.levelname for r in caplog.records if "without sensitivity curves" in r.getMessage()] == ["WARNING"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="samcache"):
+        assert SamcacheVllmConfig.from_extra_config({"keep_image_order": True}).keeps_image_order(3)
+        assert not SamcacheVllmConfig.from_extra_config({"keep_image_order": False}).keeps_image_order(3)
+    assert not caplog.records  # an explicit setting is not warned about
     with pytest.raises(ValueError, match="keep_image_order must be True, False or 'auto'"):
         SamcacheVllmConfig.from_extra_config({"keep_image_order": "yes"})
     with pytest.raises(ValueError, match="sensitivity must be the path of a curves JSON"):

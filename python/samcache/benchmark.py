@@ -117,8 +117,9 @@ def check_mode_methods(modes: Sequence[str], methods: Sequence[str | None]) -> N
                          f"{', '.join(m for m in named if m != 'two-track')}")
     refused = [m for m in named if m not in PLUGIN_METHODS]
     if "vllm-samcache" in modes and refused:
-        raise ValueError(f"mode vllm-samcache runs the plugin's methods ({', '.join(PLUGIN_METHODS)}); "
-                         f"{', '.join(refused)} need samcache's own forward")
+        names = ", ".join(repr(m) for m in refused)
+        raise ValueError(f"recompute_method {names} needs samcache's own forward: mode vllm-samcache runs only "
+                         f"the plugin's methods ({', '.join(PLUGIN_METHODS)})")
 
 
 def parse_keeps(keeps: str | Sequence[float]) -> list[float]:

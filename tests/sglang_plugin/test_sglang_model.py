@@ -309,3 +309,36 @@ def test_the_plugin_plans_through_the_shared_per_request_path_with_the_order_kep
     assert len(calls) == 2  # one request a forward, both forwards
     s = stats()
     assert s.image_kv_hits == 0 and s.image_reused_tokens == 0 and s.image_kv_misses == 4 and s.images_saved == 4
+
+
+def test_an_image_the_prefix_holds_in_part_is_spliced_from_its_first_uncached_token(arch):
+    """A radix hit that ends inside an image (pages of several tokens, or a partly evicted node):
+    the image's tail is spliced from the store, as samcache's engine does, not computed again. Same
+    index and positions as when stored, ratio 0: exact."""
+    from samcache.integrations.sglang.reuse import reset_stats, stats
+
+    config, stock = arch[0], arch[1]
+    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    first, _ = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4])
+    ids, items = first
+    second = (list(ids) + [40, 41, 42], items)  # the same prompt, then more text
+    b_start, b_end = items[1].offsets[0]
+    hit = b_start + 5  # the prefix holds image B's first 5 tokens
+
+    def run(m, factory):
+        pools = H.Pools.for_model(m, backend_factory=factory)
+        cached = H.Request.create(m, pools, *first)
+        H.run_batch(m, pools, [cached.extend()], capture_full_hidden=False)  # stores A and B
+        req = H.Request.create(m, pools, *second)
+        pools.copy_prefix(cached.row, req.row, hit)
+        req.kv_len = hit
+        reset_stats()
+        return H.run_batch(m, pools, [req.extend()], capture_full_hidden=False)
+
+    got = run(model, SamcacheAttnBackend)
+    s = stats()
+    tail = b_end + 1 - hit
+    assert s.image_kv_hits == 1 and s.image_reused_tokens == tail and s.image_kv_misses == 0
+    assert s.computed_tokens == s.prompt_tokens - tail  # the tail's rows were skipped, not computed
+    want = run(stock, None)
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)

@@ -414,13 +414,21 @@ def comparisons(out: dict) -> list[dict]:
 def plot(out: dict, path) -> None:
     """Accuracy (with its Wilson interval; dotted: the share of description parts right) and median
     next-token KL against the recompute ratio, one line per recompute mode, the full prefill and
-    prefix reuse as horizontal lines."""
+    prefix reuse as horizontal lines; and the frontier: accuracy against the reuse kept."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc, kl) = plt.subplots(1, 2, figsize=(11, 4))
+    # Panels only for what was measured: KL needs the fidelity pass, the frontier a reference reuse.
+    with_kl = any(r.get("kl_median") for r in out["runs"])
+    with_frontier = bool(frontier_points(out))
+    panels = 1 + with_kl + with_frontier
+    fig, grid = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    axes = list(grid[0])
+    acc = axes.pop(0)
+    kl = axes.pop(0) if with_kl else None
+    frontier = axes.pop(0) if with_frontier else None
     for run in out["runs"]:
         if run["recompute"] is None:
             acc.axhline(run["accuracy"], linestyle="--", linewidth=1, label=run["mode"],
@@ -440,18 +448,23 @@ def plot(out: dict, path) -> None:
         described = [(r["recompute"], r["description_accuracy"]) for r in runs if r.get("description_accuracy") is not None]
         if described:
             acc.plot(*zip(*described), linestyle=":", marker=".", color=line.get_color(), label=f"{mode}: described")
-        kls = [(r["recompute"], r["kl_median"]) for r in runs if r["kl_median"]]
+        kls = [(r["recompute"], r["kl_median"]) for r in runs if r.get("kl_median")]
         if kls:
             kl.plot(*zip(*kls), marker="o", label=mode)
     acc.set(xscale="symlog", xlabel="recompute ratio", ylabel="task accuracy", ylim=(0, 1.02),
             title=f"accuracy on {out['traces']} held-out traces")
     acc.set_xscale("symlog", linthresh=0.02)
-    kl.set(xlabel="recompute ratio", ylabel="median next-token KL (nats)", title="fidelity against a full prefill")
-    kl.set_xscale("symlog", linthresh=0.02)
-    if kl.lines:
+    acc.set_xlim(left=0)  # ratios are >= 0: no negative side of the symlog axis
+    if kl is not None:
+        kl.set(xlabel="recompute ratio", ylabel="median next-token KL (nats)", title="fidelity against a full prefill")
+        kl.set_xscale("symlog", linthresh=0.02)
         kl.set_yscale("log")
-    for ax in (acc, kl):
-        ax.set_xlim(left=0)  # ratios are >= 0: no negative side of the symlog axis
+        kl.set_xlim(left=0)
+    if frontier is not None:
+        _plot_frontier(frontier, out)
+    for ax in (acc, kl, frontier):
+        if ax is None:
+            continue
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -460,6 +473,44 @@ def plot(out: dict, path) -> None:
     plt.close(fig)
 
 
-__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons", "evaluate_traces",
-           "paired_difference", "parse_shares", "plot", "reordered_turns", "reuse_kept", "training_defaults",
-           "wilson_interval"]
+def frontier_points(out: dict) -> dict[str, list[dict]]:
+    """Per recompute mode and method, its runs as points of the accuracy / reuse frontier, by
+    ratio: ``recompute``, ``reuse_kept`` and the paired difference against the full prefill
+    (``difference``, ``interval``). Taken from ``out["comparisons"]`` (a summary without per-turn
+    replies) or computed from the runs."""
+    rows = {row["a"]: row for row in (out.get("comparisons") or comparisons(out))
+            if row["b"] == "baseline" and row.get("reuse_kept") is not None}
+    lines: dict[str, list[dict]] = {}
+    for run in out["runs"]:
+        row = rows.get(_run_name(run))
+        if row is None or run["recompute"] is None:
+            continue
+        name = run["mode"] if run.get("method") is None else f"{run['mode']} {run['method']}"
+        if run.get("track2_share") is not None:
+            name = f"{name} share {run['track2_share']:g}"
+        lines.setdefault(name, []).append({"recompute": run["recompute"], "reuse_kept": row["reuse_kept"],
+                                           "difference": row["difference"], "interval": tuple(row["interval"])})
+    return {name: sorted(points, key=lambda p: p["recompute"]) for name, points in lines.items()}
+
+
+def _plot_frontier(ax, out: dict) -> None:
+    """Accuracy against the full prefill (points, paired 95% interval) over the share of the
+    any-index reuse kept, each point labelled with its recompute ratio; the bar's corner dashed."""
+    for name, points in frontier_points(out).items():
+        x = [100 * p["reuse_kept"] for p in points]
+        y = [100 * p["difference"] for p in points]
+        err = [[100 * (p["difference"] - p["interval"][0]) for p in points],
+               [100 * (p["interval"][1] - p["difference"]) for p in points]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        for p, xi, yi in zip(points, x, y):
+            ax.annotate(f"{p['recompute']:g}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    ax.axhline(-1, color="black", linestyle="--", linewidth=1)
+    ax.axvline(80, color="black", linestyle="--", linewidth=1)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(xlabel="reuse kept (% of the image KV reuse at any index takes)",
+           ylabel="accuracy vs full prefill (points)", title="frontier (labels: recompute ratio)")
+
+
+__all__ = ["CALIBRATION_OFFSET", "SCENARIO_KINDS", "calibration_pairs", "check_scenario", "comparisons",
+           "evaluate_traces", "frontier_points", "paired_difference", "parse_shares", "plot", "reordered_turns",
+           "reuse_kept", "training_defaults", "wilson_interval"]

@@ -5,12 +5,15 @@ start-up, so a typo or a value out of range stops the server with a message nami
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from samcache._checks import check_fraction, check_int
 from samcache.recompute.serving import check_keep_image_order, keeps_image_order, load_curves, serving_budget
+
+logger = logging.getLogger("samcache")
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class ReuseSettings:
     engine does) unless ``recompute_rates`` are given; ``keep_image_order``: an image's KV is reused
     only where it keeps its index among the request's images (True), at any index (False), or as
     the curves' image-order check says for the served rates (``"auto"``, default; at any index
-    without curves);
+    without curves, which the plugin warns about at start-up);
     ``store_bytes``: byte bound of the image-KV store (least recently used images go first);
     ``tenant``: the tenant of requests that name none (each engine says how a request names its
     own); ``metrics_path``: a JSON file the worker rewrites after every step that reused or saved
@@ -50,6 +53,15 @@ class ReuseSettings:
     eviction_policy: str = "lru"
     eviction_options: Mapping[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        # Built directly (not through from_mapping), a bad method would otherwise run as boundary.
+        check_fraction("samcache: recompute_ratio", self.recompute_ratio)
+        _check_method(self.recompute_method)
+        try:
+            check_keep_image_order(self.keep_image_order)
+        except TypeError as e:
+            raise ValueError(f"samcache: {e}") from None
+
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any] | None, *, source: str):
         """The settings in ``extra``; ``source`` names where they came from in error messages."""
@@ -70,13 +82,7 @@ class ReuseSettings:
                                  f"got {list(rates)}")
         head = check_fraction("samcache: head_fraction", extra.get("head_fraction", cls.head_fraction))
         method = extra.get("recompute_method", cls.recompute_method)
-        if method not in PLUGIN_METHODS:
-            from samcache.recompute.method import registered
-
-            why = ("needs samcache's own forward (key deviation inside the step, or image KV computed alone)"
-                   if method in registered() else "is not a recompute method")
-            raise ValueError(f"samcache: recompute_method {method!r} {why}; the plugins run "
-                             f"{', '.join(repr(m) for m in PLUGIN_METHODS)}")
+        _check_method(method)
         if "head_fraction" in extra and method != "two-track":
             raise ValueError(f"samcache: head_fraction shapes recompute_method 'two-track', not {method!r}")
         store = check_int("samcache: store_bytes", extra.get("store_bytes", cls.store_bytes), 1)
@@ -145,7 +151,14 @@ class ReuseSettings:
         as the engine decides it, at the mean of the served rates)."""
         rates = self.layer_rates(num_layers)
         kind = "uniform" if self.recompute_rates is not None else "layer-aware"
-        return keeps_image_order(self.keep_image_order, self.curves(num_layers), sum(rates) / len(rates), kind)
+        curves = self.curves(num_layers)
+        if self.keep_image_order == "auto" and curves is None:
+            # The engine calibrates on first use; a plugin has only what it was given, so it warns.
+            logger.warning("samcache: keep_image_order='auto' without sensitivity curves: image KV is reused at "
+                           "any index among the request's images, which costs accuracy on a model that reads "
+                           "images in order; pass sensitivity=<curves from engine.calibrate(save=...)> or "
+                           "keep_image_order=True (or False to silence this)")
+        return keeps_image_order(self.keep_image_order, curves, sum(rates) / len(rates), kind)
 
     def layer_rates(self, num_layers: int) -> tuple[float, ...]:
         """The per-layer recompute rates for a model of ``num_layers`` decoder layers: the given ones,
@@ -161,5 +174,16 @@ class ReuseSettings:
 
 #: The repair methods the plugins run: their order needs nothing but the plan.
 PLUGIN_METHODS = ("two-track", "boundary")
+
+
+def _check_method(method: Any) -> None:
+    """A clear error for a recompute method the plugins cannot run."""
+    if method not in PLUGIN_METHODS:
+        from samcache.recompute.method import registered
+
+        why = ("needs samcache's own forward (key deviation inside the step, or image KV computed alone)"
+               if isinstance(method, str) and method in registered() else "is not a recompute method")
+        raise ValueError(f"samcache: recompute_method {method!r} {why}; the plugins run "
+                         f"{', '.join(repr(m) for m in PLUGIN_METHODS)}")
 
 __all__ = ["PLUGIN_METHODS", "ReuseSettings"]

@@ -65,6 +65,15 @@ def check_plugin_installed(python: str | os.PathLike) -> None:
                               "`make vllm-plugin` (pip install --no-build-isolation . with that Python)")
 
 
+def checkpoint_dir(model_path: str | os.PathLike) -> str:
+    """The absolute path of a local checkpoint folder: vLLM runs in a scratch folder, where a
+    relative path would name nothing and vLLM would take it for a model-hub id."""
+    path = pathlib.Path(model_path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model_path {str(model_path)!r} is not a checkpoint folder (no config.json in {path})")
+    return str(path)
+
+
 def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, python: str | os.PathLike | None = None,
               threads: int | None = None, dtype: str = "float32", block_size: int = PEER_BLOCK_SIZE,
               max_model_len: int = 8192, seed: int = 0, kv_cache_gib: int = 1, warmup: Sequence[list[dict]] = (),
@@ -97,6 +106,7 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
             raise ValueError(f"max_tokens has {len(max_tokens)} entries for {len(turns)} turns")
     # Checked, images pulled out in order (samcache's own message rules), before vLLM starts.
     rendered = [normalize_messages(t) for t in [*turns, *warmup]]
+    model_dir = checkpoint_dir(model_path)
     exe = find_vllm_python(python)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="samcache-vllm-"))
     try:
@@ -128,7 +138,7 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         encoded = [{"messages": encode(messages, images)} for messages, images in rendered]
         for turn, limit in zip(encoded, max_tokens or ()):
             turn["max_tokens"] = limit
-        request = {"model": str(model_path), "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
+        request = {"model": model_dir, "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                    "seed": seed, "turns": encoded[: len(turns)], "warmup": encoded[len(turns):],
                    "max_images": max(max(len(images) for _, images in rendered), 1), "images": files,
                    "samcache": samcache, "logprobs": bool(logprobs)}
@@ -162,4 +172,5 @@ def run_trace(turns: Sequence[list[dict]], model_path: str | os.PathLike, *, pyt
         shutil.rmtree(scratch, ignore_errors=True)  # a given log_path lies outside it
 
 
-__all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "check_plugin_installed", "find_vllm_python", "run_trace"]
+__all__ = ["ENV_VAR", "PEER_SCRIPT", "PeerUnavailable", "check_plugin_installed", "checkpoint_dir", "find_vllm_python",
+           "run_trace"]

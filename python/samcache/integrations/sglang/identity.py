@@ -40,8 +40,9 @@ def _grid(item: Any) -> np.ndarray | None:
 
 def image_refs(mm_inputs: Any, within: tuple[int, int] | None = None) -> list[ImageRef]:
     """Every image of a request (SGLang's ``MultimodalInputs``), split out of bundled items. With
-    ``within=(begin, end)`` only images wholly inside those prompt positions are hashed (the others
-    come back with ``content=None``)."""
+    ``within=(begin, end)`` (an extend step's prompt positions) only images whose last token lies
+    inside are hashed: those the step computes or splices, whole or after the part the prefix holds.
+    The others (wholly in the prefix, or cut by the step's end) come back with ``content=None``."""
     refs: list[ImageRef] = []
     for item in getattr(mm_inputs, "mm_items", None) or ():
         if not item.is_image() or not item.offsets:
@@ -54,7 +55,7 @@ def image_refs(mm_inputs: Any, within: tuple[int, int] | None = None) -> list[Im
             nameable = False  # rows that do not add up to the grids: not a layout we can split
         for i, (start, end) in enumerate(item.offsets):  # SGLang's offsets are inclusive
             content = None
-            inside = within is None or (within[0] <= int(start) and int(end) < within[1])
+            inside = within is None or within[0] <= int(end) < within[1]
             if nameable and inside:
                 rows = feature[int(patches[i]): int(patches[i + 1])].detach().contiguous().cpu()
                 pixels = hash_bytes(memoryview(rows.view(-1).view(torch.uint8).numpy()))
