@@ -89,11 +89,7 @@ class ReuseSettings:
         curves = extra.get("sensitivity")
         if curves is not None and (not isinstance(curves, str) or not curves):
             raise ValueError(f"samcache: sensitivity must be the path of a curves JSON, got {curves!r}")
-        keep = extra.get("keep_image_order", cls.keep_image_order)
-        try:
-            check_keep_image_order(keep)
-        except TypeError as e:
-            raise ValueError(f"samcache: {e}") from None
+        keep = extra.get("keep_image_order", cls.keep_image_order)  # checked by __post_init__
         tenant = extra.get("tenant", cls.tenant)
         if not isinstance(tenant, str):
             raise ValueError(f"samcache: tenant must be a string, got {tenant!r}")
