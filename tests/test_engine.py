@@ -458,6 +458,38 @@ def test_prompt_longer_than_the_pool_is_a_clear_error(checkpoints):
     assert_clean(engine)
 
 
+def test_a_decode_step_makes_room_as_a_prefill_does(checkpoints, monkeypatch):
+    """A pool just big enough for the turn: the decode step that opens a block finds it by
+    releasing a cached image, as the prefill's allocation would, not by failing."""
+    engine = make_engine(checkpoints["qwen2_5_vl"], num_blocks=16)
+    bs = engine.pool.block_size
+    turns = [("system prompt number 0 ", (252, 252)), ("system prompt number 1 " * 2, (196, 196)),
+             ("system prompt number 2 " * 3 + " x" * 3, (196, 196))]
+    for i, (system, size) in enumerate(turns[:2]):
+        engine.chat(messages=messages(system, [screenshot(10 + i, size)], "Describe."), max_new_tokens=4,
+                    ignore_eos=True)
+    msgs = messages(turns[2][0], [screenshot(12, turns[2][1])], "Describe.")
+    prompt = engine.build_prompt(msgs)
+    starved = []  # decode steps that needed a block (opening one, or copying a shared last one) with none to give
+    real = engine.executor.decode_step
+
+    def watch(seq, *args, **kw):
+        pool = engine.pool
+        n, last = pool.num_tokens(seq), int(pool.block_table(seq)[-1])
+        stats = pool.stats()
+        if (n % bs == 0 or pool.refcount(last) > 1) and stats["free_blocks"] + stats["evictable_blocks"] == 0:
+            starved.append(n)
+        return real(seq, *args, **kw)
+
+    monkeypatch.setattr(engine.executor, "decode_step", watch)
+    evictions = engine.image_kv_store.stats.evictions
+    r = engine.chat(messages=msgs, max_new_tokens=4, ignore_eos=True)
+    assert r.metrics.decode_tokens == 4
+    assert starved, len(prompt)  # the case this test is for: a decode step found the pool full ...
+    assert engine.image_kv_store.stats.evictions > evictions  # ... and a cached image gave way
+    assert_clean(engine)
+
+
 def test_a_failed_prefill_leaves_no_adoptable_blocks(checkpoints, monkeypatch):
     engine = make_engine(checkpoints["qwen2_5_vl"])
     msgs = messages("A system prompt long enough to fill a few KV blocks of sixteen tokens.", [], "Hello?")

@@ -11,7 +11,7 @@ import torch
 
 from samcache.block_pool import slot_ids
 from samcache.engine.prompt import user_message
-from samcache.eval.fidelity import reference_prefill
+from samcache.engine.fidelity import reference_prefill
 from samcache.hashing import Namespace
 from samcache.recompute import Boundary, Deviation, key_deviation, span_positions
 from samcache.tasks import visual_qa

@@ -17,6 +17,7 @@ from samcache.engine import screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
 from samcache.tiers import DiskTier, LowerTiers  # noqa: E402
+from samcache.tiers.transfer import LayerLoad  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
@@ -47,12 +48,31 @@ def _turns(engine):
 
 
 @pytest.mark.parametrize("opts", [{}, {"recompute_tracks": "heads"}, {"recompute_ratio": 0.0}])
-def test_host_tier_brings_a_demoted_image_back_exactly(model, opts):
+def test_host_tier_brings_a_demoted_image_back_exactly(model, opts, monkeypatch):
     """Track 2 scores the spliced keys before the forward (the load completes first); the other
     settings load layer by layer during the forward. Either way: the reference's tokens."""
     reference = _turns(make_engine(model, prefix_cache=False, **opts))  # a store big enough for both
     tiered = _small_store({"host_kv_cache_bytes": 64 << 20, **opts}, model)
+    events = []  # ("wait", l): a load's layer l awaited; ("layer", l): the forward computes layer l
+    wait, project = LayerLoad.wait, tiered.runner._project
+    monkeypatch.setattr(LayerLoad, "wait", lambda self, layer: (events.append(("wait", layer)), wait(self, layer))[1])
+    monkeypatch.setattr(tiered.runner, "_project", lambda l, *a: (events.append(("layer", l)), project(l, *a))[1])
     got = _turns(tiered)
+    waits = [i for i, e in enumerate(events) if e[0] == "wait"]
+    assert waits, "no load from the host tier ran"
+    forward, layers = events[waits[0]:], tiered.runner.num_layers
+    first_waits = []  # each layer's first wait, in the order they came
+    for e in forward:
+        if e[0] == "wait" and e not in first_waits:
+            first_waits.append(e)
+    assert [l for _, l in first_waits] == list(range(layers))
+    loaded_ahead = forward.index(("layer", 0)) > forward.index(("wait", layers - 1))
+    if opts:  # layer by layer: layer l's copy is awaited after layer l-1 ran, just before layer l
+        assert not loaded_ahead
+        for l in range(1, layers):
+            assert forward.index(("layer", l - 1)) < forward.index(("wait", l)) < forward.index(("layer", l))
+    else:  # track 2 reads the spliced keys: the whole load lands before the forward
+        assert loaded_ahead
     m = got[3].metrics
     assert m.image_kv_hits == 2 and m.image_kv_host_hits == 1 and m.image_kv_disk_hits == 0
     assert reference[3].metrics.image_kv_hits == 2

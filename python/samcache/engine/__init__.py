@@ -3,8 +3,8 @@
 Along the data flow: ``prompt`` / ``images`` (requests as tokens and positions), the planner
 (``samcache.reuse``), ``executor`` (a plan's stages on the pool and stores), ``batch`` + ``runner``
 (batched forward steps), ``scheduler`` (continuous batching of requests), ``api``
-(``SAMcacheEngine``: chat and sessions). ``calibration`` and ``samcache.eval`` work beside the
-serving path. See docs/design.md ("The engine").
+(``SAMcacheEngine``: chat and sessions). ``calibration`` and ``fidelity`` work beside the
+serving path (``samcache.eval`` builds task evaluations on them). See docs/design.md ("The engine").
 """
 
 from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session

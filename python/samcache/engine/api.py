@@ -6,7 +6,7 @@ for the reuse plan, splices known images' KV in and describes the rows to comput
 (``executor.py``, ``samcache.reuse``) -> the scheduler runs batched forward steps, prefill and
 decode rows of many requests mixed (``scheduler.py``, ``runner.py``) -> what was computed is
 kept for the next turns (image KV held in pool blocks, ViT outputs). Calibration
-(``calibration.py``) and fidelity (``samcache.eval``) run beside the serving path on their own
+(``calibration.py``) and fidelity (``fidelity.py``) run beside the serving path on their own
 state. docs/design.md explains the plan.
 
 Threads: an engine may be called from several threads; each call holds the engine's lock for its
@@ -32,7 +32,9 @@ from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
 from samcache.agent.branches import Branch, ContextTree, TreeMemory
 from samcache.block_pool import BlockPool
 from samcache.compression.settings import DEFAULT_KEEP, CompressionSettings
+from samcache.engine.calibration import CALIBRATION_CONTINUATION, Calibrator
 from samcache.engine.executor import Executor, Prepared, RequestOptions
+from samcache.engine.fidelity import measure_fidelity
 from samcache.engine.families import detect_family
 from samcache.engine.images import ImageGeometry, TileGeometry, prepare_image, preprocess_params
 from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
@@ -46,7 +48,8 @@ from samcache.policies.cache_priorities import CachePriorities
 from samcache.hashing import Namespace
 from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, WorkflowAwarePolicy, make_policy
 from samcache.recompute import LayerBudget, SensitivityCurves
-from samcache.recompute.method import RepairMethod, repair_method
+from samcache.recompute.method import RepairMethod
+from samcache.recompute.methods import repair_method
 from samcache.recompute.serving import BUDGETS, check_keep_image_order, keeps_image_order, load_curves, serving_budget
 from samcache.recompute.two_track import TwoTrack
 from samcache.reuse import RecomputeBudget
@@ -129,11 +132,6 @@ class BatchError(RuntimeError):
         super().__init__(f"{len(failed)} of {len(results)} requests failed; the first, request {failed[0][0]}: "
                          f"{type(failed[0][1]).__name__}: {failed[0][1]}")
         self.results = results
-
-
-#: Reply tokens the calibration's loss covers by default: a whole reply (it ends earlier where the
-#: reply does), since a model that describes images first goes wrong dozens of tokens in.
-CALIBRATION_CONTINUATION = 256
 
 
 class SAMcacheEngine:
@@ -786,7 +784,6 @@ class SAMcacheEngine:
             finally:
                 self.pool.free_sequence(out.sequence)
         if out.fork is not None:
-            from samcache.eval.fidelity import measure_fidelity  # here: samcache.eval imports the engine
 
             m.fidelity = measure_fidelity(self.executor, adm.prompt, out.first_logits, out.fork, req.fidelity_tokens,
                                           model_id=self.model_id, vit_namespace=adm.namespace,
@@ -839,7 +836,6 @@ class SAMcacheEngine:
         of up to 256 tokens, since a model that describes images first goes wrong dozens of
         tokens in); ``check``: measure the solved rates against uniform ones end to end (where
         uniform ones were better, the engine uses them). ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
-        from samcache.engine.calibration import Calibrator
 
         with self._lock:
             curves = Calibrator(self).run(images, requests=requests, rates=rates, continuation=continuation,

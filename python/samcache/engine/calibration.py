@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,24 +38,33 @@ import torch
 from samcache import ops
 from samcache._checks import check_int
 from samcache.block_pool import BlockPool, slot_ids
-from samcache.engine.api import CALIBRATION_CONTINUATION, SAMcacheEngine
 from samcache.engine.executor import Executor, RequestOptions
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import Prompt, user_message
 from samcache.engine.runner import ModelRunner
-from samcache.eval.fidelity import reference_prefill
+from samcache.engine.fidelity import reference_prefill
 from samcache.hashing import Namespace
 from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
 from samcache.recompute.budget import check_probe_rates, solve_layer_budget, tokens_per_layer
 from samcache.recompute.image_order import ImageOrderCheck, confident_agreement
 from samcache.stores import ImageKVStore, TensorStore
 
+if TYPE_CHECKING:  # the engine calls this module; the annotation alone names it back
+    from samcache.engine.api import SAMcacheEngine
+
+#: Reply tokens the calibration's loss covers by default: a whole reply (it ends earlier where the
+#: reply does), since a model that describes images first goes wrong dozens of tokens in.
+CALIBRATION_CONTINUATION = 256
+
+#: What the calibrator reads from the engine it calibrates.
+_ENGINE_PARTS = ("runner", "executor", "repair", "model_id", "build_prompt", "recompute_budget_for", "eos_token_ids")
+
 
 class Calibrator:
     """Probes each layer's sensitivity for the model of ``engine`` (a :class:`SAMcacheEngine`)."""
 
     def __init__(self, engine: SAMcacheEngine) -> None:
-        if not isinstance(engine, SAMcacheEngine):
+        if not all(hasattr(engine, part) for part in _ENGINE_PARTS):
             raise TypeError(f"engine must be a SAMcacheEngine, got {type(engine).__name__}")
         self.engine = engine
 

@@ -380,11 +380,7 @@ class Executor:
             return self.pool.fork(pre.seq)
         pool, bs = self.pool, self.pool.block_size
         shared = pre.compressed_from // bs
-        need = len(pool.block_table(pre.seq)) - shared
-        if need > pool.num_free_blocks():
-            self.image_kv_store.evict_for_blocks(need)
-        if need > pool.num_free_blocks():
-            raise OutOfBlocks(f"a copy of the compressed prefill needs {need} blocks, {pool.num_free_blocks()} are free")
+        self._make_room(len(pool.block_table(pre.seq)) - shared, "a copy of the compressed prefill", OutOfBlocks)
         fork = pool.share_blocks(pre.seq, 0, shared) if shared else pool.new_sequence()
         try:
             res = pool.append_slots(fork, pool.num_tokens(pre.seq) - shared * bs)
@@ -440,15 +436,7 @@ class Executor:
         the approximate rest not (``append_slots`` makes the sequence uncacheable from there), nor
         anything from the first compressed image on (its blocks hold compacted rows)."""
         pool, bs, n = self.pool, self.pool.block_size, len(prompt)
-        need = -(-n // bs) - adopted // bs
-        if need > pool.num_free_blocks():
-            self.image_kv_store.evict_for_blocks(need)
-        if need > pool.num_free_blocks() and self.contexts is not None:
-            self.contexts.release_for_blocks(need)
-        if need > pool.num_free_blocks():
-            raise PromptTooLong(f"the prompt needs {need} more KV blocks but only {pool.num_free_blocks()} are free "
-                                "or evictable")
-        self._demote_for(need)
+        self._make_room(-(-n // bs) - adopted // bs, "the prompt", PromptTooLong)
         exact_until = n if options.approximate_prefix else max(adopted, plan.exact_tokens)
         if compressed_from is not None:
             exact_until = max(adopted, min(exact_until, compressed_from))
@@ -459,6 +447,30 @@ class Executor:
         if n > hash_until:
             res = pool.append_slots(seq, n - hash_until)
             self.runner.copy_on_write(res.copies)
+
+    def _make_room(self, need: int, what: str, error: type[Exception]) -> None:
+        """Room for ``need`` more blocks, found the same way for a prefill, a decode step or a
+        copy: release cached images, then released contexts' holds, then move the cached blocks
+        the pool will evict down to the prefix tier. ``error`` (naming ``what``) if still short."""
+        pool = self.pool
+        if need > pool.num_free_blocks():
+            self.image_kv_store.evict_for_blocks(need)
+        if need > pool.num_free_blocks() and self.contexts is not None:
+            self.contexts.release_for_blocks(need)
+        if need > pool.num_free_blocks():
+            raise error(f"{what} needs {need} more KV blocks but only {pool.num_free_blocks()} are free or evictable")
+        self._demote_for(need)
+
+    def _blocks_opened(self, seq: int, tokens: int) -> int:
+        """Blocks that appending ``tokens`` to ``seq`` takes: the ones the tokens open, plus a
+        copy of the last block where it is shared and not full (copy-on-write)."""
+        pool, bs = self.pool, self.pool.block_size
+        n0 = pool.num_tokens(seq)
+        opened = -(-(n0 + tokens) // bs) - -(-n0 // bs)
+        table = pool.block_table(seq)
+        if n0 % bs and len(table) and pool.refcount(int(table[-1])) > 1:
+            opened += 1
+        return opened
 
     def _demote_for(self, need: int) -> None:
         """Before ``need`` blocks are handed out: evict the cached blocks that would go and copy
@@ -868,8 +880,7 @@ class Executor:
         is still exact) at M-RoPE position ``position``: the row a decode step computes.
         ``compaction``: the sequence's compacted layers (its prefill's :attr:`Prepared.compaction`)."""
         r, pool = self.runner, self.pool
-        if pool.num_tokens(seq) % pool.block_size == 0:
-            self._demote_for(1)  # this token opens a block
+        self._make_room(self._blocks_opened(seq, 1), "a decode step", OutOfBlocks)
         res = pool.append_tokens(seq, [token]) if hashed else pool.append_slots(seq, 1)
         r.copy_on_write(res.copies)
         n = pool.num_tokens(seq)
@@ -884,9 +895,9 @@ class Executor:
         gives each row's logits)."""
         if not len(tokens):
             raise ValueError("a forced step needs at least one token")
-        pool, bs = self.pool, self.pool.block_size
+        pool = self.pool
         n0 = pool.num_tokens(seq)
-        self._demote_for(-(-(n0 + len(tokens)) // bs) - -(-n0 // bs))  # the blocks these tokens open
+        self._make_room(self._blocks_opened(seq, len(tokens)), "a forced step", OutOfBlocks)
         self.runner.copy_on_write(pool.append_slots(seq, len(tokens)).copies)
         n = pool.num_tokens(seq)
         return SequenceStep(rows=np.arange(n0, n), embeds=None, token_ids=np.asarray(tokens, dtype=np.int64),

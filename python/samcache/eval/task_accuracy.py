@@ -111,8 +111,8 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     (``sensitivity``): the same settings the engine runs with."""
     from samcache.benchmark import MODES, check_mode_methods, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
-    from samcache.engine.api import CALIBRATION_CONTINUATION
-    from samcache.recompute.method import parse_methods
+    from samcache.engine.calibration import CALIBRATION_CONTINUATION
+    from samcache.recompute.methods import parse_methods
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
 
     modes = parse_modes(list(modes))

@@ -175,7 +175,7 @@ PLUGIN_METHODS = ("two-track", "boundary")
 def _check_method(method: Any) -> None:
     """A clear error for a recompute method the plugins cannot run."""
     if method not in PLUGIN_METHODS:
-        from samcache.recompute.method import registered
+        from samcache.recompute.methods import registered
 
         why = ("needs samcache's own forward (key deviation inside the step, or image KV computed alone)"
                if isinstance(method, str) and method in registered() else "is not a recompute method")

@@ -11,7 +11,8 @@ from samcache.recompute.boundary import Boundary, BoundaryDeviation
 from samcache.recompute.deviation import Deviation
 from samcache.recompute.image_order import ImageOrderCheck
 from samcache.recompute.isolated import Isolated
-from samcache.recompute.method import RepairMethod, parse_methods, registered, repair_method
+from samcache.recompute.method import RepairMethod
+from samcache.recompute.methods import parse_methods, registered, repair_method
 from samcache.recompute.selection import (
     RecomputePlan,
     ReusedSpan,

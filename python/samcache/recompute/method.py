@@ -15,7 +15,7 @@ works with the layer-aware budget. A method says what its order reads:
 and where image KV comes from (``isolated``: computed without left context when the image is
 first seen, so every reuse is a move).
 
-The methods (one module each): ``two-track`` (:mod:`~samcache.recompute.two_track`), ``boundary``
+The methods (one module each; :mod:`~samcache.recompute.methods` finds them by name): ``two-track`` (:mod:`~samcache.recompute.two_track`), ``boundary``
 and ``boundary+deviation`` (:mod:`~samcache.recompute.boundary`), ``deviation``
 (:mod:`~samcache.recompute.deviation`), ``isolated`` (:mod:`~samcache.recompute.isolated`).
 """
@@ -70,35 +70,4 @@ class RepairMethod(ABC):
         return f"{self.name}({settings})"
 
 
-def repair_method(method: "str | RepairMethod") -> RepairMethod:
-    """A method by name (its default settings), or ``method`` itself; a clear error otherwise."""
-    if isinstance(method, RepairMethod):
-        return method
-    methods = registered()
-    if not isinstance(method, str) or method not in methods:
-        raise ValueError(f"unknown recompute method {method!r}; choose from {', '.join(methods)}")
-    return methods[method]()
-
-
-def parse_methods(methods: "str | Sequence[str]") -> list[str]:
-    """Method names, comma-separated or a sequence, each checked."""
-    names = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else list(methods)
-    names = [m for m in names if m]
-    if not names:
-        raise ValueError(f"no recompute method given; choose from {', '.join(registered())}")
-    for name in names:
-        repair_method(name)
-    return list(dict.fromkeys(names))
-
-
-def registered() -> dict[str, type[RepairMethod]]:
-    """Every method by name."""
-    from samcache.recompute.boundary import Boundary, BoundaryDeviation
-    from samcache.recompute.deviation import Deviation
-    from samcache.recompute.isolated import Isolated
-    from samcache.recompute.two_track import TwoTrack
-
-    return {m.name: m for m in (TwoTrack, Boundary, Deviation, BoundaryDeviation, Isolated)}
-
-
-__all__ = ["RepairMethod", "parse_methods", "registered", "repair_method"]
+__all__ = ["RepairMethod"]
