@@ -69,6 +69,6 @@ def rejects_without_writing():
 def tiny_checkpoints(tmp_path_factory):
     """One tiny random-weight checkpoint per family, built once for the whole run."""
     pytest.importorskip("transformers")
-    from samcache.models import FAMILIES, build_tiny_model
+    from samcache.random_checkpoints import FAMILIES, build_tiny_model
 
     return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}

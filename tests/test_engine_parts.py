@@ -113,6 +113,11 @@ def test_demo_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "samcache.demo", "--turns", "2", "--window", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+    # First the trained model's answers, turn by turn, samcache beside the full prefill ...
+    assert "the trained visual-QA model" in out.stdout and "\nturn 1: " in out.stdout
+    assert out.stdout.count("  expected ") == 2 and "samcache answered " in out.stdout
+    assert out.stdout.index("samcache answered ") < out.stdout.index("GUI agent, window")
+    # ... then the speed section.
     assert "median TTFT speedup" in out.stdout and "1 known+1 new" in out.stdout
     assert "vs prefix + ViT caching (today's engines)" in out.stdout and " sub 2 known+0 new" in out.stdout
     assert "Loading weights" not in out.stderr  # no progress-bar noise in the walkthrough
@@ -176,16 +181,16 @@ def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypa
 
 def test_runtime_code_never_imports_the_test_fixture_builders():
     code = ("import sys, samcache.engine, samcache.reuse, samcache.stores, samcache.eval, samcache.benchmark, "
-            "samcache.peers.vllm_launcher, samcache.integrations.vllm.step; print(sorted(m for m in sys.modules if m.startswith('samcache.models')))")
+            "samcache.peers.vllm_launcher, samcache.integrations.vllm.step; print(sorted(m for m in sys.modules if m.startswith('samcache.random_checkpoints')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
 
 def test_one_family_registry_serves_the_runner_the_loader_and_the_builders():
-    from samcache.engine.families import FAMILIES, get_family
-    from samcache.models import FAMILIES as BUILDABLE
-    from samcache.models import model_class
+    from samcache.families import FAMILIES, get_family
+    from samcache.random_checkpoints import FAMILIES as BUILDABLE
+    from samcache.random_checkpoints import model_class
 
     assert tuple(FAMILIES) == BUILDABLE
     for name, family in FAMILIES.items():
@@ -212,7 +217,7 @@ def test_batch_benchmark_runs(tiny_checkpoints, tmp_path):
 def test_projection_rotates_q_and_k_exactly_as_rotate_half(tiny_checkpoints, family, dtype):
     """The runner rotates q and k together with rotate_half's sign folded into sin: bit for bit
     the model's own ``x * cos + rotate_half(x) * sin`` (qk-norm families included)."""
-    from samcache.engine.families import get_family
+    from samcache.families import get_family
     from samcache.engine.runner import ModelRunner, _signed_sin
 
     runner = ModelRunner(tiny_checkpoints[family], get_family(family), device=torch.device("cpu"), dtype=dtype,

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from samcache import Namespace  # noqa: E402
 from samcache.engine import SAMcacheEngine, screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
-from samcache.models import build_tiny_model  # noqa: E402
+from samcache.random_checkpoints import build_tiny_model  # noqa: E402
 
 from engine_helpers import SIZE, make_engine  # noqa: E402
 from engine_helpers import assert_clean as clean  # noqa: E402

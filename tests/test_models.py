@@ -1,4 +1,4 @@
-"""samcache.models: tiny random-weight Qwen-VL checkpoints built offline."""
+"""samcache.random_checkpoints: tiny random-weight Qwen-VL checkpoints built offline."""
 
 import hashlib
 import json
@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-import samcache.models as sm  # noqa: E402
-from samcache.models import FAMILIES, build_tiny_model, load_processor, model_class  # noqa: E402
+import samcache.random_checkpoints as sm  # noqa: E402
+from samcache.random_checkpoints import FAMILIES, build_tiny_model, load_processor, model_class  # noqa: E402
 
 IMAGE_HW = (84, 112)  # a synthetic RGB image, height x width
 
@@ -288,7 +288,7 @@ def test_tokenizer_fixed_ids_and_round_trip():
 
 
 def test_cli_builds_and_describes(tmp_path, capsys):
-    from samcache.models.__main__ import main
+    from samcache.random_checkpoints.__main__ import main
 
     assert main(["qwen3_vl_moe", str(tmp_path / "m"), "--seed", "2", "--set", "num_experts=6"]) == 0
     out = capsys.readouterr().out
@@ -299,7 +299,7 @@ def test_cli_builds_and_describes(tmp_path, capsys):
 
 
 def test_build_preset_builds_the_tiny_sizes_and_refuses_unknown_presets(tmp_path):
-    from samcache.models import build_preset, describe
+    from samcache.random_checkpoints import build_preset, describe
 
     path = build_preset("qwen2_5_vl", "tiny", tmp_path / "t", dtype="bfloat16")  # tiny stays float32
     assert describe(path)["params"] == describe(build_tiny_model("qwen2_5_vl", tmp_path / "u"))["params"]

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from samcache.engine.batch import SequenceStep, StepBatch  # noqa: E402
-from samcache.engine.families import Family  # noqa: E402
+from samcache.families import Family  # noqa: E402
 from samcache.engine.runner import ModelRunner  # noqa: E402
 
 INTERNVL = Family("internvl", "InternVLForConditionalGeneration", "InternVLProcessor", "neox", qk_norm=True,
@@ -106,7 +106,7 @@ def test_an_internvl_checkpoint_with_another_language_model_is_refused(tiny_chec
     import shutil
 
     from samcache import UnsupportedModel
-    from samcache.engine.families import detect_family
+    from samcache.families import detect_family
 
     assert detect_family(tiny_checkpoints["internvl"]).name == "internvl"
     copy = tmp_path / "dense-internvl"

@@ -19,7 +19,7 @@ from samcache.tasks import visual_qa
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from samcache.models import build_tiny_model
+    from samcache.random_checkpoints import build_tiny_model
 
     return build_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("tiny"), seed=0)
 

@@ -34,7 +34,7 @@ def test_a_few_steps_write_a_loadable_checkpoint(tmp_path):
     assert len(curve) == 1 and curve[0]["step"] == 3 and curve[0]["examples_seen"] == 6
     assert 0.0 <= curve[0]["accuracy_1_image"] <= 1.0 and 0.0 <= curve[0]["accuracy_4_image"] <= 1.0
     assert json.loads((tmp_path / "training.json").read_text())["curve"] == curve
-    from samcache.models import model_class
+    from samcache.random_checkpoints import model_class
 
     model_class("qwen2_5_vl").from_pretrained(tmp_path)
 
@@ -47,7 +47,7 @@ def test_a_few_steps_on_cuda_write_the_same_kind_of_checkpoint(tmp_path):
                                          vision_steps=2, vision_batch_size=2, size=(84, 84), curriculum=((2, 1.0),),
                                          model_sizes=SIZES, device="cuda"), progress=False)
     assert report["config"]["device"] == "cuda" and report["curve"][0]["step"] == 2
-    from samcache.models import model_class
+    from samcache.random_checkpoints import model_class
 
     model = model_class("qwen2_5_vl").from_pretrained(tmp_path)
     assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
@@ -83,7 +83,7 @@ def test_image_tokens_map_to_the_cells_under_them():
 
 def test_labels_cover_every_assistant_reply_and_nothing_else(tmp_path):
     from samcache.engine.loading import load_processor
-    from samcache.models import build_tiny_model
+    from samcache.random_checkpoints import build_tiny_model
 
     build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
     processor = load_processor(tmp_path)
@@ -109,7 +109,7 @@ def test_answer_tokens_weigh_more_and_weight_one_is_the_plain_loss(tmp_path):
     import torch
 
     from samcache.engine.loading import load_processor
-    from samcache.models import build_tiny_model, model_class
+    from samcache.random_checkpoints import build_tiny_model, model_class
 
     build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
     processor = load_processor(tmp_path)
@@ -156,7 +156,7 @@ def test_a_run_continues_from_an_earlier_one(tmp_path):
 def test_the_dense_token_budget_holds_the_longest_replies(tmp_path):
     """A budget too short cuts the answer off and scores a right reply as wrong."""
     from samcache.engine.loading import load_processor
-    from samcache.models import build_tiny_model
+    from samcache.random_checkpoints import build_tiny_model
 
     build_tiny_model("qwen2_5_vl", tmp_path, seed=0, **SIZES)
     tok = load_processor(tmp_path).tokenizer
@@ -176,7 +176,7 @@ def test_deepening_a_checkpoint_keeps_its_outputs(tmp_path):
     from PIL import Image
 
     from samcache.engine.loading import load_processor
-    from samcache.models import build_tiny_model, model_class
+    from samcache.random_checkpoints import build_tiny_model, model_class
     from samcache.tasks.training import _chat, deepen_checkpoint
 
     src = build_tiny_model("qwen2_5_vl", tmp_path / "a", seed=3, **SIZES)

@@ -12,7 +12,7 @@ from samcache.tasks import checkpoint
 
 @pytest.fixture
 def trained_run(tmp_path):
-    from samcache.models import build_tiny_model
+    from samcache.random_checkpoints import build_tiny_model
 
     run = build_tiny_model("qwen2_5_vl", tmp_path / "run", seed=0)
     (run / "training.json").write_text(json.dumps({"config": {"size": [84, 84]}, "curve": []}))
@@ -22,7 +22,7 @@ def trained_run(tmp_path):
 def test_ship_writes_float16_weights_with_checksums(trained_run, tmp_path):
     from safetensors.torch import load_file
 
-    from samcache.models import model_class
+    from samcache.random_checkpoints import model_class
 
     dest = checkpoint.ship(trained_run, tmp_path / "shipped")
     weights = load_file(dest / "model.safetensors")
@@ -87,7 +87,7 @@ def test_evaluate_returns_the_replies_it_scored_and_refuses_a_bad_flag():
     import torch
 
     from samcache.engine.loading import load_processor
-    from samcache.models import model_class
+    from samcache.random_checkpoints import model_class
     from samcache.tasks import visual_qa
     from samcache.tasks.training import evaluate
 

@@ -99,7 +99,7 @@ def test_unknown_scenario_or_parameter_is_a_clear_error():
 
 
 def test_synthetic_images_check_their_size():
-    from samcache.engine.synthetic import document_page, screenshot
+    from samcache.synthetic import document_page, screenshot
 
     for draw in (screenshot, document_page):
         with pytest.raises(ValueError, match="size must be"):

@@ -46,7 +46,7 @@ import torch
 
 from samcache._checks import check_int
 from samcache.engine.prompt import user_message
-from samcache.engine.synthetic import screenshot
+from samcache.synthetic import screenshot
 from samcache.recompute.methods import parse_methods
 from samcache.workloads import Trace
 

@@ -95,7 +95,7 @@ def _bench(args) -> int:
     with contextlib.ExitStack() as stack:
         model, note = args.model, "supplied checkpoint"
         if model is None:
-            from samcache.models import build_preset
+            from samcache.random_checkpoints import build_preset
 
             # Built in the run's dtype (bf16 on CUDA); deleted after the run unless --keep-model.
             where = tempfile.mkdtemp(prefix="samcache-bench-")
@@ -104,7 +104,7 @@ def _bench(args) -> int:
             model = build_preset(args.family, args.preset, pathlib.Path(where) / args.family, dtype=run_dtype)
             print(f"built a random-weight {args.family} checkpoint ({args.preset}) in {model}"
                   + ("" if args.keep_model else " (deleted after the run; --keep-model keeps it)"), file=sys.stderr)
-            note = f"random weights, built by samcache.models ({args.preset} sizes)"
+            note = f"random weights, built by samcache.random_checkpoints ({args.preset} sizes)"
         elif not pathlib.Path(model).is_dir():
             print(f"samcache bench: --model {model!r} is not a checkpoint directory", file=sys.stderr)
             return 2
@@ -253,7 +253,7 @@ def _report(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from samcache.benchmark import MODES
     from samcache.eval.task_accuracy import SCENARIO_KINDS
-    from samcache.models import PRESETS
+    from samcache.random_checkpoints import PRESETS
     from samcache.workloads import SCENARIOS, scenario_parameters
 
     from samcache import __version__

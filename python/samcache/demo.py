@@ -1,5 +1,12 @@
-"""``make demo``: a scripted GUI agent on a small local Qwen2.5-VL, with and without samcache.
+"""``make demo``: first real answers, then speed.
 
+**Answers.** The trained visual-QA model that ships with samcache (a tiny Qwen2.5-VL that reads
+GUI screenshots) plays one held-out GUI agent trace: each turn shows the last 3 screenshots, so
+known screenshots come back at new positions. Per turn it prints the question, the expected
+answer, samcache's answer with its defaults (calibrated on another trace) and the full
+prefill's answer, with both TTFTs and the image tokens samcache reused.
+
+**Speed.** A scripted GUI agent on a small random-weight Qwen2.5-VL, with and without samcache.
 The agent keeps its last 3 screenshots (1280x720, 1,196 image tokens each) in the prompt; every
 turn adds a new screenshot and drops the oldest, so the exact prefix breaks every turn while two
 of the three images are ones the engine has already seen, now at new positions. Each turn runs
@@ -9,7 +16,7 @@ vLLM and SGLang) and no cache at all. Per turn it prints where each prompt token
 in samcache, the ViT calls, the three TTFTs and the fidelity of the samcache turn against a full
 prefill. Each TTFT is one sample on a shared machine; ``samcache bench --repeat N`` gives medians.
 
-    python -m samcache.demo [--model DIR] [--turns 6] [--window 3] [--device cpu]
+    python -m samcache.demo [--model DIR] [--turns 6] [--window 3] [--device cpu] [--no-answers]
 """
 
 from __future__ import annotations
@@ -21,6 +28,61 @@ import tempfile
 import warnings
 
 
+def answers(*, turns: int = 6, window: int = 3, device: str = "cpu", seed: int = 0) -> list[dict]:
+    """The shipped trained model on one held-out GUI trace: samcache (defaults, calibrated on
+    another held-out trace) against a full prefill, turn by turn. Returns one row per turn."""
+    from samcache.engine import SAMcacheEngine
+    from samcache.eval.task_accuracy import CALIBRATION_OFFSET, calibration_pairs, training_defaults
+    from samcache.tasks import visual_qa
+    from samcache.tasks.checkpoint import trained_model
+
+    model = trained_model()
+    trained = training_defaults(model)
+    size, dense = trained.get("size", visual_qa.DEFAULT_SIZE), trained.get("dense", False)
+
+    def gui_trace(index: int) -> list:
+        return visual_qa.trace(visual_qa.split_seed("test", index, seed), scenario="gui", turns=turns, window=window,
+                               size=size, dense=dense)
+
+    print(f"the trained visual-QA model ({model.name}, {size[0]}x{size[1]} screenshots) on a held-out GUI agent "
+          f"trace: {turns} turns, the last {window} screenshots each turn, newest last")
+    full = SAMcacheEngine(model, device=device, cache_enabled=False)
+    fast = SAMcacheEngine(model, device=device, share_weights_with=full)
+    calibration = gui_trace(CALIBRATION_OFFSET)
+    print("calibrating samcache's recompute budget and image-order check on another trace ...")
+    # The rates the defaults serve at (0.05), and the two ends the image-order check compares.
+    fast.calibrate(requests=calibration_pairs([calibration]), rates=(0.0, 0.05, 1.0),
+                   continuation=max(t.max_new_tokens for t in calibration))
+    order = "kept (a known screenshot is reused only at its own index)" if fast.keeps_image_order() else \
+        "free (a known screenshot is reused at any index)"
+    print(f"  the calibration found the image order {order}")
+    rows = []
+    for k, turn in enumerate(gui_trace(0)):
+        mine = fast.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+        ref = full.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+        row = {"turn": k, "question": turn.question.replace(visual_qa.DENSE_INSTRUCTION, "").strip(),
+               "answer": turn.answer, "samcache": visual_qa.parse_answer(mine.text),
+               "full_prefill": visual_qa.parse_answer(ref.text), "same_reply": mine.text == ref.text,
+               "ttft_samcache_ms": mine.metrics.ttft_s * 1e3, "ttft_full_ms": ref.metrics.ttft_s * 1e3,
+               "prefix_reused": mine.metrics.prefix_reused_tokens, "image_reused": mine.metrics.image_reused_tokens,
+               "prefilled": mine.metrics.prefilled_tokens}
+        rows.append(row)
+        mark = lambda a: "right" if a.lower() == turn.answer.lower() else "wrong"  # noqa: E731
+        print(f"\nturn {k}: {row['question']}\n  expected {turn.answer!r}; samcache {row['samcache']!r} "
+              f"({mark(row['samcache'])}), full prefill {row['full_prefill']!r} ({mark(row['full_prefill'])}); "
+              f"{'the same reply' if row['same_reply'] else 'replies differ'}\n"
+              f"  TTFT samcache {row['ttft_samcache_ms']:.1f} ms, full prefill {row['ttft_full_ms']:.1f} ms; "
+              f"samcache's KV: {row['prefix_reused']} tokens from the prefix cache, {row['image_reused']} "
+              f"image tokens reused, {row['prefilled']} computed")
+    right = sum(r["samcache"].lower() == r["answer"].lower() for r in rows)
+    same = sum(r["same_reply"] for r in rows)
+    print(f"\nsamcache answered {right} of {len(rows)} right, with the full prefill's reply in {same} of {len(rows)} "
+          "turns (docs/benchmark.md: 40 traces, and what reusing moved screenshots costs on this model)")
+    for engine in (fast, full):
+        engine.check_invariants()
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="samcache demo: a GUI agent with and without samcache")
     p.add_argument("--model", help="a Qwen2.5-VL / Qwen3-VL-MoE checkpoint directory (default: build a small one)")
@@ -28,14 +90,18 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--recompute", type=float, default=0.05)
+    p.add_argument("--no-answers", action="store_true", help="skip the trained model's answers, show speed only")
     args = p.parse_args(argv)
 
     import transformers.utils.logging
 
     transformers.utils.logging.disable_progress_bar()  # weight loading bars: noise in a walkthrough
+    if not args.no_answers:
+        answers(turns=args.turns, window=args.window, device=args.device)
+        print()
     from samcache.engine import SAMcacheEngine, screenshot
     from samcache.engine.prompt import user_message
-    from samcache.models import build_preset
+    from samcache.random_checkpoints import build_preset
 
     model = args.model
     if model is None:  # the `small` preset: the checkpoint of the comparison with vLLM in docs/benchmark.md

@@ -33,7 +33,7 @@ import numpy as np
 
 from samcache._checks import check_int
 from samcache.engine.prompt import user_message
-from samcache.engine.synthetic import document_page, screenshot
+from samcache.synthetic import document_page, screenshot
 
 _KINDS: dict[str, Callable[..., np.ndarray]] = {"screenshot": screenshot, "page": document_page}
 

@@ -41,7 +41,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoint(env):
-    from samcache.models import build_tiny_model
+    from samcache.random_checkpoints import build_tiny_model
 
     return str(build_tiny_model("qwen2_5_vl", env / "qwen2_5_vl"))
 
@@ -225,6 +225,33 @@ def test_wrong_content_never_hits(plugin_run, vanilla):
     assert c["moved"].image_kv_hits - c["uuid"].image_kv_hits == 2
     # a request asking for prompt logprobs reads every row: computed in full, nothing reused
     assert c["prompt_logprobs"].image_kv_hits == c["moved"].image_kv_hits
+
+
+def test_approximate_kv_never_enters_vllms_prefix_cache(checkpoint, vanilla, env):
+    """A spliced image's KV (recompute 0.05) is approximate, as is everything after it. vLLM caches
+    a request's blocks when it schedules them; the plugin takes those from the first approximate
+    one on out again. So an identical re-send matches none of them in vLLM's prefix cache: its
+    images are spliced again from the store and counted as reuse, never served as an exact
+    prefix hit. Turn 1 finishes in the step that spliced (one token: the worker's report and the
+    request's end reach the scheduler together); turn 2 decodes on after it."""
+    metrics = env / "approximate.json"
+    llm = make_llm(checkpoint, {"metrics_path": str(metrics)})
+    try:
+        run(llm, [TURNS[0]])
+        spliced = {1: run(llm, [TURNS[1]], max_tokens=1)[0], 2: run(llm, [TURNS[2]])[0]}
+        before = read_metrics(metrics)
+        again = {k: run(llm, [TURNS[k]])[0] for k in (1, 2)}
+        after = read_metrics(metrics)
+    finally:
+        close(llm)
+    assert before.image_reused_tokens == 2 * 96  # B in turn 1, C in turn 2: each spliced at a new place
+    for k in (1, 2):
+        assert kl(vanilla["turns"][k]["lp"], spliced[k]["lp"]) > 1e-5  # the splice made the KV approximate
+        # B (turn 1) and C (turn 2) open each prompt's images: no block from there on may match.
+        assert again[k]["cached"] < BLOCK, (k, again[k]["cached"])
+    # Both images of each re-send come from the store again (BC: B and C; CD: C and D), as reuse.
+    assert after.image_kv_hits - before.image_kv_hits == 4
+    assert after.image_reused_tokens - before.image_reused_tokens == 4 * 96
 
 
 def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_alone(checkpoint, vanilla, env):

@@ -65,7 +65,7 @@ def tool_heavy_request(seed: int = 0, *, turns: int = 8, image_size: tuple[int, 
     """(messages, tools) of one agent request after ``turns`` tool-using steps: each step a user
     turn with a screenshot, the assistant's reasoning and tool call, and the tool's result; then the
     last user turn. Images are uint8 arrays (``samcache.engine.screenshot``)."""
-    from samcache.engine.synthetic import screenshot
+    from samcache.synthetic import screenshot
 
     check_seed(seed)
     check_int("turns", turns, 1)
@@ -105,7 +105,7 @@ def long_context(seed: int = 0, *, screenshots: int = 6, history_turns: int = 3,
                  image_size: tuple[int, int] = (336, 504)) -> list[dict]:
     """A long multimodal context: a system prompt, ``history_turns`` earlier exchanges and a user
     turn with ``screenshots`` screenshots, ready for the planner's first reply."""
-    from samcache.engine.synthetic import screenshot
+    from samcache.synthetic import screenshot
 
     check_seed(seed)
     check_int("screenshots", screenshots, 1)

@@ -10,14 +10,14 @@ serving path (``samcache.eval`` builds task evaluations on them). See docs/desig
 from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session
 from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.executor import Executor, Prepared, RequestOptions
-from samcache.engine.families import FAMILIES, Family, detect_family, get_family
+from samcache.families import FAMILIES, Family, detect_family, get_family
 from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
 from samcache.engine.metrics import Fidelity, TurnMetrics
 from samcache.engine.prompt import Prompt, build_prompt
 from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
 from samcache.engine.scheduler import Admission, Finished, Scheduler
-from samcache.engine.synthetic import screenshot
+from samcache.synthetic import screenshot
 
 __all__ = [
     "FAMILIES",

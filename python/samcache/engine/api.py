@@ -35,7 +35,7 @@ from samcache.compression.settings import DEFAULT_KEEP, CompressionSettings
 from samcache.engine.calibration import CALIBRATION_CONTINUATION, Calibrator
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.fidelity import measure_fidelity
-from samcache.engine.families import detect_family
+from samcache.families import detect_family
 from samcache.engine.images import ImageGeometry, TileGeometry, prepare_image, preprocess_params
 from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
 from samcache.engine.metrics import TurnMetrics
@@ -588,7 +588,7 @@ class SAMcacheEngine:
         """One throwaway turn over a synthetic image of ``size`` (h, w), so first-call costs
         (allocations, the image path) stay out of the first measured turn. It reads no cache and
         leaves nothing in any (prefix blocks, image KV, ViT outputs)."""
-        from samcache.engine.synthetic import screenshot
+        from samcache.synthetic import screenshot
 
         with self._lock:
             prompt = self.build_prompt([{"role": "system", "content": "samcache warm-up"},

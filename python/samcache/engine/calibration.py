@@ -98,7 +98,7 @@ class Calibrator:
         (``SensitivityCurves.checked``; about a third more runs), and on the pairs where a reused
         image changed its index, how often the reuse keeps the reference's confident tokens
         (``SensitivityCurves.image_order``, read by ``keep_image_order="auto"``)."""
-        from samcache.engine.synthetic import screenshot
+        from samcache.synthetic import screenshot
 
         rates = check_probe_rates(rates)  # before any of the L x R forward passes
         check_int("continuation", continuation, 1)

@@ -1,7 +1,7 @@
 """Loading a checkpoint: the device and dtype to run it in, its processor, its identity.
 
 Runtime code: the engine, the benchmark and the integrations use these; the tiny-model builders
-(``samcache.models``, test fixtures) are never imported from here.
+(``samcache.random_checkpoints``, test fixtures) are never imported from here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pathlib
 import torch
 import xxhash
 
-from samcache.engine.families import FAMILIES
+from samcache.families import FAMILIES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

@@ -26,7 +26,7 @@ import torch
 from samcache import ops
 from samcache.block_pool import slot_ids
 from samcache.engine.batch import StepBatch
-from samcache.engine.families import Family
+from samcache.families import Family
 from samcache.engine.linear import linear
 from samcache.engine.vision import fast_vision
 from samcache.errors import UnsupportedModel

@@ -148,7 +148,10 @@ class RequestImage:
 @dataclass
 class StepPlan:
     """One forward pass's plan, request by request: what is spliced (``skipped``: flattened rows no
-    layer computes), each layer's recompute rows, the images to save, and the counters."""
+    layer computes), each layer's recompute rows, the images to save, the counters, and
+    ``approximate``: per request (the ``owner`` the plugin names) whose KV is approximate from
+    some token on, its exact leading tokens (only those may stay in the serving engine's exact
+    prefix cache)."""
 
     total: int
     num_layers: int
@@ -156,6 +159,7 @@ class StepPlan:
     recompute: list[list[np.ndarray]] = None  # type: ignore[assignment]
     saves: list[PendingSave] = field(default_factory=list)
     counters: ReuseCounters = field(default_factory=ReuseCounters)
+    approximate: dict[Any, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.skipped = np.zeros(self.total, dtype=bool)
@@ -163,11 +167,13 @@ class StepPlan:
 
     def add_request(self, images: Sequence[RequestImage], *, begin: int, end: int, base: int, namespace: Namespace,
                     store: Any, budget: RecomputeBudget | None, keep_image_order: bool, positions: torch.Tensor,
-                    slots: torch.Tensor, cache: KVWriter, rotary: Rotary, may_splice: bool = True) -> None:
+                    slots: torch.Tensor, cache: KVWriter, rotary: Rotary, may_splice: bool = True,
+                    owner: Any = None) -> None:
         """Plan a request whose prompt tokens ``[begin, end)`` are the step's flattened rows from
         ``base`` on (``positions`` [3, rows], ``slots`` its KV slots by row), splice the images the
         store holds into the cache, and list those computed whole here to save. ``may_splice``
-        False: every image is computed (the engine reads those rows), and still saved."""
+        False: every image is computed (the engine reads those rows), and still saved. ``owner``:
+        the request's name in :attr:`approximate` where the splice leaves its KV approximate."""
         unnamed: set = set()  # keys of images that cannot be named: never looked up, never saved
         layout_images = []
         for index, image in enumerate(images):
@@ -190,6 +196,8 @@ class StepPlan:
             return CachedImage(entry.k.size(1), int(entry.positions[0, 0]), entry.index), entry
 
         request = plan_request(layout, prefix_tokens=begin, lookup=lookup, budget=budget, num_layers=self.num_layers)
+        if request.plan.exact_tokens < end:
+            self.approximate[owner] = request.plan.exact_tokens
         saving = {save.key for save in self.saves}
         for slot in request.misses:
             if slot.key not in unnamed and slot.start >= begin and slot.key not in saving:  # whole in this step

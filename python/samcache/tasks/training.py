@@ -2,7 +2,7 @@
 reproducibly from a seed.
 
 The model is the real architecture (``Qwen2_5_VLForConditionalGeneration``) built by
-:func:`samcache.models.build_tiny_model` with the project's tokenizer, so every engine that loads a
+:func:`samcache.random_checkpoints.build_tiny_model` with the project's tokenizer, so every engine that loads a
 Hugging Face checkpoint loads the result. Training is plain next-token cross-entropy on the
 assistant's reply only (the prompt and the images are context), AdamW with warm-up and cosine
 decay, a curriculum from one image to several, and dense supervision on part of the examples (the
@@ -345,7 +345,7 @@ def deepen_checkpoint(path, extra: int) -> None:
     a lookup that needs more attention layers, not a better vision tower."""
     import copy
 
-    from samcache.models import model_class
+    from samcache.random_checkpoints import model_class
 
     check_int("extra", extra, 1)
     model = model_class("qwen2_5_vl").from_pretrained(path, dtype=torch.float32)
@@ -371,7 +371,7 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
     from tqdm import tqdm
 
     from samcache.engine.loading import load_processor
-    from samcache.models import build_tiny_model, model_class
+    from samcache.random_checkpoints import build_tiny_model, model_class
     from samcache.tasks import visual_qa as task
 
     config = config or TrainConfig()

@@ -15,6 +15,17 @@ Enabled with ``--kv-transfer-config '{"kv_connector": "SamcacheConnector", "kv_r
 
 The plan is the worker's decision: an image the store no longer holds is computed as vLLM would,
 so the scheduler's view of the store never has to be exact.
+
+Approximate KV stays out of vLLM's prefix cache. vLLM hashes a request's full blocks into its
+prefix cache when it schedules them, before the worker splices; a spliced image's KV (recompute
+below 1) is approximate, and so is the KV of every token after it. The worker reports, per
+request, the exact leading tokens of each such request (:class:`SamcacheWorkerMetadata`, vLLM's
+worker-to-scheduler channel); the scheduler side then takes every block from the first
+approximate one on out of the prefix cache (``KVCacheManager.evict_blocks``: a block the request
+still uses stays its own, it only stops matching), again each step while the request decodes and
+when it finishes. A later request with the same prefix is computed (or spliced again) rather
+than served approximate KV as exact. The one window left: a request scheduled in the same step
+as the splice, before the worker has run, may still match those blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 
 from samcache.integrations.vllm import metrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
@@ -57,6 +68,20 @@ class SamcacheMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class SamcacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: the requests whose KV the step left approximate, each with
+    its exact leading tokens."""
+
+    approximate: dict[str, int]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.approximate)
+        for req_id, exact in getattr(other, "approximate", {}).items():
+            merged[req_id] = min(exact, merged.get(req_id, exact))
+        return SamcacheWorkerMetadata(merged)
+
+
+@dataclass
 class _Tracked:
     prompt_len: int
     images: tuple[ImageRef, ...]
@@ -76,6 +101,9 @@ class SamcacheConnector(KVConnectorBase_V1):
             self._tenants: dict[str, str] = {}
             self._agents: dict[str, str | None] = {}
             self._track_agents = self.config.eviction_policy != "lru"
+            self._block_size = int(vllm_config.cache_config.block_size)
+            self._approximate: dict[str, int] = {}  # live requests with approximate KV -> exact tokens
+            self._finished_blocks: dict[str, list[int]] = {}  # finished since the last schedule()
             if vllm_config.scheduler_config.enable_chunked_prefill:
                 logger.info("samcache: chunked prefill is on; an image split by a chunk boundary is computed as "
                             "vLLM computes it (not reused, not saved)")
@@ -88,6 +116,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._budget: RecomputeBudget | None = None
         self._keep_order = False
         self._step: ForwardStep | None = None
+        self._reported: dict[str, int] = {}  # approximate requests not yet reported to the scheduler
         logger.info("samcache: vLLM plugin on (recompute %s, store %.1f MiB)",
                     list(self.config.recompute_rates) if self.config.recompute_rates else self.config.recompute_ratio,
                     self.config.store_bytes / 2**20)
@@ -120,6 +149,12 @@ class SamcacheConnector(KVConnectorBase_V1):
             self._agents[request.request_id] = self._agent_of(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self._finished_blocks.clear()  # evicted by now where they had to be (update_connector_output)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            # A preempted request's blocks went back to the pool cached: none of its approximate ones may match.
+            exact, tracked = self._approximate.pop(req_id, None), self._tracked.get(req_id)
+            if exact is not None and tracked is not None:
+                self._uncache(tracked.block_ids, exact)
         steps: list[RequestStep] = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -163,7 +198,32 @@ class SamcacheConnector(KVConnectorBase_V1):
             steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant,
                                      tracked.agent))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, SamcacheWorkerMetadata):
+            for req_id, exact in meta.approximate.items():
+                finished = self._finished_blocks.get(req_id)
+                if finished is not None:  # it finished in the step that spliced (request_finished came first)
+                    self._uncache(finished, exact)
+                else:
+                    self._approximate[req_id] = min(exact, self._approximate.get(req_id, exact))
+        manager = self._kv_cache_manager
+        for req_id, exact in self._approximate.items():  # again each step: decode blocks fill and get cached
+            if manager is not None and req_id in self._tracked:
+                self._uncache(manager.get_block_ids(req_id)[0], exact)
+
+    def _uncache(self, block_ids: list[int], exact_tokens: int) -> None:
+        """Take the blocks from the one holding token ``exact_tokens`` on out of vLLM's prefix cache."""
+        first = exact_tokens // self._block_size
+        if self._kv_cache_manager is not None and first < len(block_ids):
+            self._kv_cache_manager.evict_blocks(set(block_ids[first:]))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        exact = self._approximate.pop(request.request_id, None)
+        if exact is not None:
+            self._uncache(block_ids, exact)
+        else:  # its report may come in this same update (the step that spliced also finished it)
+            self._finished_blocks[request.request_id] = list(block_ids)
         self._tracked.pop(request.request_id, None)
         self._tenants.pop(request.request_id, None)
         self._agents.pop(request.request_id, None)
@@ -219,7 +279,14 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._step = plan_forward(planned, attn_metadata=attn.get(first_layer), positions=positions,
                                   cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,
                                   budget=self._budget, num_layers=self._num_layers, keep_image_order=self._keep_order)
+        if self._step is not None:
+            for req_id, exact in self._step.approximate.items():
+                self._reported[req_id] = min(exact, self._reported.get(req_id, exact))
         return self._step
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        reported, self._reported = self._reported, {}
+        return SamcacheWorkerMetadata(reported) if reported else None
 
     def layer_of(self, layer_name: str) -> int:
         return self._layer_of[layer_name]

@@ -102,6 +102,7 @@ class ForwardStep:
     block_table: torch.Tensor
     _batches: dict[int, AttentionBatch] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    approximate: dict[str, int] = field(default_factory=dict)  # request id -> its exact leading tokens
 
     @property
     def sparse(self) -> bool:
@@ -186,14 +187,14 @@ def plan_forward(
         plan.add_request(request_images(step), begin=step.start, end=step.start + step.num_tokens, base=base,
                          namespace=Namespace(model_id, step.tenant), store=store, budget=budget,
                          keep_image_order=keep_image_order, positions=positions, slots=slot_mapping, cache=cache,
-                         rotary=rotary)
+                         rotary=rotary, owner=step.req_id)
     saves, skipped, recompute = plan.saves, plan.skipped, plan.recompute
     stats = plan.counters.counters()
     del stats["steps"]  # counted by the connector
     stats["images_saved"] = len(saves)
 
     common = dict(saves=saves, query_start_loc=qsl, seq_lens=seq,
-                  block_table=attn_metadata.block_table, stats=stats)
+                  block_table=attn_metadata.block_table, stats=stats, approximate=plan.approximate)
     if not skipped.any():
         if not saves:
             return None

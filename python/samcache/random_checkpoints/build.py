@@ -39,7 +39,7 @@ Families and their defaults (see :data:`DEFAULTS`; every size is a real config f
     per 32x32 pixels (a 112x84 image is scaled up to 320x224: grid (1, 14, 20), 70 tokens).
     1.08 M parameters, 4.4 MB on disk.
 
-Both share one tokenizer (:mod:`samcache.models.tokenizer`): 1,024 byte-level BPE tokens, then
+Both share one tokenizer (:mod:`samcache.random_checkpoints.tokenizer`): 1,024 byte-level BPE tokens, then
 Qwen's 14 special tokens at ids 1024..1037 (``<|image_pad|>`` = 1036); the embedding table has
 ``vocab_size`` 1088 rows (padded to a multiple of 64, as Qwen pads its 151,665 ids to 151,936).
 Weights are float32 (``dtype="bfloat16"`` to change), initialised by the model's own
@@ -67,12 +67,12 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from samcache.engine.families import FAMILIES as _REGISTRY
-from samcache.engine.families import get_family
+from samcache.families import FAMILIES as _REGISTRY
+from samcache.families import get_family
 from samcache.engine.loading import load_processor  # noqa: F401  (re-exported: builders load what they wrote)
-from samcache.models.tokenizer import INTERNVL_TOKENS, SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
+from samcache.random_checkpoints.tokenizer import INTERNVL_TOKENS, SPECIAL_TOKEN_IDS, TOKENIZER_SIZE, build_tokenizer
 
-FAMILIES = tuple(_REGISTRY)  # the family names of samcache.engine.families
+FAMILIES = tuple(_REGISTRY)  # the family names of samcache.families
 
 _VOCAB_SIZE = 1088  # TOKENIZER_SIZE (1038) rounded up to a multiple of 64
 

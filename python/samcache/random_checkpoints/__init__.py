@@ -3,15 +3,15 @@
 ``build_tiny_model("qwen2_5_vl" | "qwen3_vl_moe", out_dir, seed=0, **overrides)`` writes config,
 safetensors weights, tokenizer and processor into ``out_dir``; the directory then loads with
 ``AutoProcessor.from_pretrained`` and the model class's ``from_pretrained`` with no hub access.
-Sizes, defaults and overrides: :mod:`samcache.models.build`; the tokenizer:
-:mod:`samcache.models.tokenizer`. CLI: ``python -m samcache.models qwen2_5_vl /tmp/tiny``.
+Sizes, defaults and overrides: :mod:`samcache.random_checkpoints.build`; the tokenizer:
+:mod:`samcache.random_checkpoints.tokenizer`. CLI: ``python -m samcache.random_checkpoints qwen2_5_vl /tmp/tiny``.
 
 Needs the optional dependencies ``transformers``, ``tokenizers`` and ``safetensors``
 (``pip install samcache[models]``); they are imported only when a model is built.
 """
 
-from samcache.models.build import DEFAULTS, FAMILIES, build_tiny_model, describe, load_processor, resolve_config
-from samcache.models.tokenizer import SPECIAL_TOKEN_IDS, SPECIAL_TOKENS, TOKENIZER_SIZE, build_tokenizer
+from samcache.random_checkpoints.build import DEFAULTS, FAMILIES, build_tiny_model, describe, load_processor, resolve_config
+from samcache.random_checkpoints.tokenizer import SPECIAL_TOKEN_IDS, SPECIAL_TOKENS, TOKENIZER_SIZE, build_tokenizer
 
 #: Size presets for build_tiny_model(family, dir, **PRESETS[name]): the real text and vision sizes
 #: of public checkpoints with random weights (and the tiny tokenizer), for GPU benchmarks.
@@ -57,7 +57,7 @@ def build_preset(family: str, preset: str, out_dir, *, dtype: str | None = None,
 
 def model_class(family: str):
     """The transformers model class of ``family`` (e.g. for ``from_pretrained``)."""
-    from samcache.engine.families import get_family
+    from samcache.families import get_family
 
     return get_family(family).model_class()
 

@@ -1,4 +1,4 @@
-"""``python -m samcache.models FAMILY OUT_DIR [--seed N] [--set key=value ...]``: build and describe."""
+"""``python -m samcache.random_checkpoints FAMILY OUT_DIR [--seed N] [--set key=value ...]``: build and describe."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from samcache.models import FAMILIES, build_tiny_model, describe
+    from samcache.random_checkpoints import FAMILIES, build_tiny_model, describe
 
     parser = argparse.ArgumentParser(
-        prog="python -m samcache.models",
+        prog="python -m samcache.random_checkpoints",
         description="Build a tiny random-weight Qwen-VL checkpoint (config, safetensors, tokenizer, processor).",
     )
     parser.add_argument("family", choices=FAMILIES)

@@ -2,7 +2,7 @@
 
 Qwen's real vocabulary has 151,643 BPE tokens; with it the embeddings would be ~97% of a tiny
 model. Instead a byte-level BPE with Qwen's normalizer (NFC) and pre-tokenizer regex is trained
-on :data:`samcache.models._corpus.CORPUS` to exactly :data:`BPE_VOCAB_SIZE` tokens, and Qwen's 14
+on :data:`samcache.random_checkpoints._corpus.CORPUS` to exactly :data:`BPE_VOCAB_SIZE` tokens, and Qwen's 14
 special tokens follow it at fixed ids (:data:`SPECIAL_TOKEN_IDS`), in Qwen's order, just as they
 follow the BPE vocabulary in the real tokenizer (there at 151643..151656).
 
@@ -75,7 +75,7 @@ def train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
-    from samcache.models._corpus import CORPUS
+    from samcache.random_checkpoints._corpus import CORPUS
 
     tok = Tokenizer(BPE())
     tok.normalizer = normalizers.NFC()

@@ -71,7 +71,7 @@ def detect_family(model_path: str | pathlib.Path) -> Family:
     if not path.is_dir():
         raise FileNotFoundError(
             f"model_path {str(path)!r} is not a directory; samcache loads local Hugging Face checkpoint "
-            "directories (build a tiny one with `python -m samcache.models qwen2_5_vl DIR`)"
+            "directories (build a tiny one with `python -m samcache.random_checkpoints qwen2_5_vl DIR`)"
         )
     if not config.is_file():
         raise UnsupportedModel(f"{path} has no config.json: not a Hugging Face checkpoint directory")
