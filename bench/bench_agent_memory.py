@@ -29,7 +29,7 @@ import torch
 from samcache.agent import CompressorConfig, ContextCompressor, ToolResultStore
 from samcache.agent.scenarios import long_context, render_tools, tool_heavy_request
 from samcache.engine import SAMcacheEngine
-from samcache.models import build_tiny_model
+from samcache.random_checkpoints import build_tiny_model
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

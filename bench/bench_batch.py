@@ -31,7 +31,7 @@ import torch
 
 from samcache.engine import ChatRequest, SAMcacheEngine, screenshot
 from samcache.engine.prompt import user_message
-from samcache.models import PRESETS, build_preset
+from samcache.random_checkpoints import PRESETS, build_preset
 
 
 def session_turns(session: int, size: tuple[int, int]) -> tuple[list[dict], list[dict]]:

@@ -47,7 +47,7 @@ def main() -> None:
     import numpy as np
 
     from samcache.engine import SAMcacheEngine
-    from samcache.models import build_preset
+    from samcache.random_checkpoints import build_preset
 
     model = args.model or build_preset("qwen2_5_vl", "small", pathlib.Path(tempfile.mkdtemp()) / "small")
     engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=1 << 20)

@@ -37,7 +37,7 @@ from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import user_message
 from samcache.eval import reference_prefill
 from samcache.hashing import Namespace
-from samcache.models import PRESETS, build_preset
+from samcache.random_checkpoints import PRESETS, build_preset
 
 def bf16_peak_tflops(n: int = 8192, reps: int = 10) -> float:
     """The measured bf16 matmul rate (TFLOP/s) of this GPU: an n^3 product on random data."""

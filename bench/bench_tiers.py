@@ -34,7 +34,7 @@ import tempfile
 import torch
 
 from samcache.engine import SAMcacheEngine
-from samcache.models import build_preset
+from samcache.random_checkpoints import build_preset
 from samcache.workloads import make_trace
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: built from --preset)")
     ap.add_argument("--preset", default="tiny", help="size preset of the random-weight Qwen2.5-VL built when no "
-                    "--model is given (samcache.models.PRESETS; 'medium': prefill costs what loading does not)")
+                    "--model is given (samcache.random_checkpoints.PRESETS; 'medium': prefill costs what loading does not)")
     ap.add_argument("--out", default="bench/out/tiers")
     ap.add_argument("--pages", type=int, default=40)
     ap.add_argument("--turns", type=int, default=40)

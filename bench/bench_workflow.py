@@ -32,7 +32,7 @@ import torch
 
 from samcache.engine import SAMcacheEngine, screenshot
 from samcache.engine.prompt import user_message
-from samcache.models import build_tiny_model
+from samcache.random_checkpoints import build_tiny_model
 from samcache.policies import Workflow
 
 AGENTS = ("planner", "worker1", "worker2", "worker3", "reviewer")

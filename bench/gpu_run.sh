@@ -58,7 +58,7 @@ step install 240 bash -c "
 ( step checkpoint 180 $PY -c "
 import torch
 torch.set_default_device('cuda')
-from samcache.models import build_preset
+from samcache.random_checkpoints import build_preset
 build_preset('qwen2_5_vl', 'qwen2.5-vl-7b', '$CKPT.tmp', dtype='bfloat16')
 " && rm -rf "$CKPT" && mv "$CKPT.tmp" "$CKPT" ) &
 BUILD_PID=$!

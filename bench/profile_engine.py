@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from samcache.engine import SAMcacheEngine, screenshot
 from samcache.engine.prompt import user_message
-from samcache.models import build_preset
+from samcache.random_checkpoints import build_preset
 
 
 def conversation(system: str, images, question: str):
