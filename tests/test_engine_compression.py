@@ -49,7 +49,7 @@ def reference_logits(engine, prompt, settings: CompressionSettings, forced: dict
     runner, ex = engine.runner, engine.executor
     n = len(prompt)
     vit: dict = {}
-    ex.ensure_vit(prompt, range(len(prompt.images)), vit, TurnMetrics(), RequestOptions(use_vit=False, store_vit=False),
+    ex.vit.ensure(prompt, range(len(prompt.images)), vit, TurnMetrics(), RequestOptions(use_vit=False, store_vit=False),
                   Namespace("reference"))
     with torch.no_grad():
         h = ex.embeds(prompt, np.arange(n), vit).clone()
@@ -401,7 +401,7 @@ def test_routing_relevance_ranks_track_two_by_the_records_confidence(moe):
     prompt = engine.build_prompt([{"role": "system", "content": "Another context."}, user_message([image], "again")])
     layout = engine.executor.layout(prompt, Namespace(engine.model_id))
     packed = [SimpleNamespace(image=0, start=prompt.images[0].start)]
-    scores = engine.executor.routing_relevance(prompt, packed, {layout.images[0].key: held}, layout)
+    scores = engine.executor.compressed.routing_relevance(prompt, packed, {layout.images[0].key: held}, layout)
     _, members, _, weights = held.merges[0]
     assert np.array_equal(scores[prompt.images[0].start + members], weights)
     assert scores[: prompt.images[0].start].sum() == 0

@@ -349,7 +349,7 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(model, tmp_path):
     m = tiered[2].metrics
     assert m.prefix_restored_tokens > 0 and m.prefix_reused_tokens == roomy[2].metrics.prefix_reused_tokens
     assert tiered[2].token_ids == roomy[2].token_ids  # exact copies: the same tokens
-    assert tiered_engine.executor.prefix_tier.stats["demoted"] > 0
+    assert tiered_engine.executor.tiers.prefix_tier.stats["demoted"] > 0
     tiered_engine.check_invariants()
     with pytest.raises(ValueError, match="host_prefix_cache_bytes"):
         make_engine(model, host_prefix_cache_bytes=-1)
@@ -358,7 +358,7 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(model, tmp_path):
     disk_engine = make_engine(model, num_blocks=int(blocks * 1.5), host_prefix_cache_bytes=probe.runner.block_bytes,
                               disk_kv_cache_dir=tmp_path, disk_prefix_cache_bytes=64 << 20)
     on_disk = run(disk_engine)
-    stats = disk_engine.executor.prefix_tier.stats
+    stats = disk_engine.executor.tiers.prefix_tier.stats
     assert stats["spilled"] > 0 and stats["restored_from_disk"] > 0
     assert on_disk[2].metrics.prefix_reused_tokens == roomy[2].metrics.prefix_reused_tokens
     assert on_disk[2].token_ids == roomy[2].token_ids

@@ -122,17 +122,17 @@ def test_two_engines_share_prefix_blocks_and_tenants_stay_apart(url, tiny_checkp
 
     first, second, other = engine(), engine(), engine(tenant="globex")
     first.chat(messages=msgs, max_new_tokens=1)
-    published = first.executor.prefix_tier.stats["published"]
+    published = first.executor.tiers.prefix_tier.stats["published"]
     assert published > 0
     first.chat(messages=msgs, max_new_tokens=1)  # the same prompt again: nothing new to offer
-    assert first.executor.prefix_tier.stats["published"] == published
+    assert first.executor.tiers.prefix_tier.stats["published"] == published
     r = second.chat(messages=msgs, max_new_tokens=4, ignore_eos=True)
-    blocks = first.executor.prefix_tier.stats["published"]
+    blocks = first.executor.tiers.prefix_tier.stats["published"]
     assert r.metrics.prefix_restored_tokens == blocks * second.pool.block_size
-    assert second.executor.prefix_tier.stats["restored_from_remote"] == blocks
+    assert second.executor.tiers.prefix_tier.stats["restored_from_remote"] == blocks
     fresh = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20)
     assert fresh.chat(messages=msgs, max_new_tokens=4, ignore_eos=True).token_ids == r.token_ids
-    assert second.executor.prefix_tier.stats["published"] == 0  # restored blocks are not offered again
+    assert second.executor.tiers.prefix_tier.stats["published"] == 0  # restored blocks are not offered again
     assert other.chat(messages=msgs, max_new_tokens=1).metrics.prefix_restored_tokens == 0
     for e in (first, second, other):
         e.check_invariants()

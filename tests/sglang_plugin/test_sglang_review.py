@@ -138,12 +138,12 @@ def test_cache_salt_separates_tenants():
 
 
 def test_qwen3_vl_moe_fingerprint_names_the_checkpoint():
-    from samcache.integrations.sglang.identity import model_fingerprint
+    from samcache.integrations.sglang.identity import model_id
 
     cfg = H.tiny_qwen3_vl_moe_config()
     model = H._build_from_hf(Qwen3MoeOverride, cfg, 0,
                              lambda c, s: H._CheckpointLayoutState(H.hf_reference_qwen3_vl_moe(c, s)))
-    fp = model_fingerprint(model, torch.float32)
+    fp = model_id(model, torch.float32)
     assert "Qwen3VLMoeForConditionalGeneration" in fp
 
 

@@ -8,6 +8,8 @@ serving path (``samcache.eval`` builds task evaluations on them). See docs/desig
 """
 
 from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session
+from samcache.engine.config import (CacheConfig, CompressionConfig, EngineConfig, EvictionConfig, RecomputeConfig,
+                                    TierConfig)
 from samcache.engine.batch import SequenceStep, StepBatch
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.families import FAMILIES, Family, detect_family, get_family
@@ -23,8 +25,12 @@ __all__ = [
     "FAMILIES",
     "Admission",
     "BatchError",
+    "CacheConfig",
     "ChatRequest",
     "ChatResult",
+    "CompressionConfig",
+    "EngineConfig",
+    "EvictionConfig",
     "Executor",
     "Family",
     "Fidelity",
@@ -32,6 +38,7 @@ __all__ = [
     "ModelRunner",
     "Prepared",
     "Prompt",
+    "RecomputeConfig",
     "RequestOptions",
     "SAMcacheEngine",
     "Sampler",
@@ -39,6 +46,7 @@ __all__ = [
     "SequenceStep",
     "Session",
     "StepBatch",
+    "TierConfig",
     "TurnMetrics",
     "build_prompt",
     "detect_family",

@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
-from samcache._checks import SEED_LIMIT, check_fraction, check_int, check_seed
+from samcache._checks import SEED_LIMIT, check_int, check_seed
 from samcache.agent.branches import Branch, ContextTree, TreeMemory
 from samcache.block_pool import BlockPool
-from samcache.compression.settings import DEFAULT_KEEP, CompressionSettings
+from samcache.compression.settings import CompressionSettings
 from samcache.engine.calibration import CALIBRATION_CONTINUATION, Calibrator
+from samcache.engine.config import (CacheConfig, CompressionConfig, EngineConfig, EvictionConfig, RecomputeConfig,
+                                    TierConfig)
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.fidelity import measure_fidelity
 from samcache.families import detect_family
@@ -42,19 +44,17 @@ from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt, build_prompt, build_prompt_tiles, normalize_messages, user_message
 from samcache.engine.runner import ModelRunner
 from samcache.engine.sampling import Sampler
+from samcache.engine.vit_chain import VitChain
 from samcache.engine.scheduler import Admission, Finished, Scheduler
 from samcache.errors import PromptTooLong
 from samcache.policies.cache_priorities import CachePriorities
 from samcache.hashing import Namespace
-from samcache.policies import POLICIES, EvictionPolicy, LRUPolicy, Workflow, WorkflowAwarePolicy, make_policy
+from samcache.policies import LRUPolicy, Workflow, WorkflowAwarePolicy
 from samcache.recompute import LayerBudget, SensitivityCurves
-from samcache.recompute.method import RepairMethod
-from samcache.recompute.methods import repair_method
-from samcache.recompute.serving import BUDGETS, check_keep_image_order, keeps_image_order, load_curves, serving_budget
-from samcache.recompute.two_track import TwoTrack
+from samcache.recompute.serving import keeps_image_order, load_curves, serving_budget
 from samcache.reuse import RecomputeBudget
-from samcache.stores import ImageKVStore, TensorStore
-from samcache.tiers import DiskTier, LowerTiers, RemoteStore, RemoteTier
+from samcache.stores import ImageKVStore
+from samcache.tiers import DiskTier, LowerTiers, RemoteTier
 from samcache.tiers.prefix import PrefixTier
 
 
@@ -142,6 +142,11 @@ class SAMcacheEngine:
     >>> r2 = engine.chat(images=["diagram.png"], prompt="Where does the data flow?")  # reuses it
     >>> r2.text, r2.metrics.ttft_s, r2.metrics.image_reused_tokens
 
+    Settings: five groups (:mod:`samcache.engine.config`: ``cache=CacheConfig(...)``,
+    ``recompute=``, ``compression=``, ``tiers=``, ``eviction=``), or their fields as the flat
+    keywords named below (``SAMcacheEngine(path, recompute_ratio=0.05)``); a keyword overrides
+    the same field of a group given beside it.
+
     Cache levels (each can be switched off; ``cache_enabled=False`` switches off all three):
     ``vit_cache`` (vision-tower outputs by image content), ``prefix_cache`` (exact token prefix,
     images keyed by content; only KV equal to a full prefill's enters it) and ``image_kv_cache``
@@ -185,95 +190,28 @@ class SAMcacheEngine:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-        cache_enabled: bool = True,
-        compression_enabled: bool = False,
-        compression_keep: float = DEFAULT_KEEP,
-        compression_layers: Sequence[int] | None = None,
-        recompute_ratio: float = 0.05,
-        recompute_budget: str = "layer-aware",
-        sensitivity: SensitivityCurves | str | os.PathLike | None = None,
-        head_fraction: float = 0.1,
-        track2_share: float = 0.5,
-        recompute_tracks: str = "both",
-        recompute_relevance: str = "attention",
-        recompute_method: "str | RepairMethod" = "two-track",
-        keep_image_order: bool | str = "auto",
-        prefix_cache: bool = True,
-        prefix_reuse: str = "exact",
-        vit_cache: bool = True,
-        image_kv_cache: bool = True,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        vit_cache_bytes: int = 256 << 20,
-        image_kv_cache_bytes: int | None = None,
+        cache: CacheConfig | None = None,
+        recompute: RecomputeConfig | None = None,
+        compression: CompressionConfig | None = None,
+        tiers: TierConfig | None = None,
+        eviction: EvictionConfig | None = None,
         max_step_tokens: int = 16384,
-        model_id: str | None = None,
-        tenant: str | None = None,
         seed: int = 0,
         share_weights_with: "SAMcacheEngine | None" = None,
-        eviction_policy: str | EvictionPolicy = "lru",
-        eviction_options: dict | None = None,
-        host_kv_cache_bytes: int = 0,
-        disk_kv_cache_dir: str | os.PathLike | None = None,
-        disk_kv_cache_bytes: int = 4 << 30,
-        cold_kv_qtype: str | None = "fp8_e4m3",
-        remote_kv_store: RemoteStore | None = None,
-        prefetch_horizon: int = 2,
-        host_prefix_cache_bytes: int = 0,
-        disk_vit_cache_bytes: int = 0,
-        disk_prefix_cache_bytes: int = 0,
-        host_vit_cache_bytes: int = 0,
+        **settings: Any,
     ) -> None:
-        if not isinstance(compression_enabled, bool):
-            raise TypeError(f"compression_enabled must be a bool, got {compression_enabled!r}")
-        check_fraction("recompute_ratio", recompute_ratio)
-        if recompute_relevance not in ("attention", "routing"):
-            raise ValueError(f"recompute_relevance must be 'attention' or 'routing', got {recompute_relevance!r}")
-        if recompute_relevance == "routing" and not compression_enabled:
-            raise ValueError("recompute_relevance='routing' ranks compressed images' tokens by routing confidence: it "
-                             "needs compression_enabled=True")
-        self.recompute_relevance = recompute_relevance
-        self.keep_image_order = check_keep_image_order(keep_image_order)
-        self.repair = _repair_method(recompute_method, head_fraction, track2_share, recompute_tracks)
-        for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
-                                      ("kv_cache_bytes", kv_cache_bytes, True), ("vit_cache_bytes", vit_cache_bytes, False),
-                                      ("image_kv_cache_bytes", image_kv_cache_bytes, True),
-                                      ("max_step_tokens", max_step_tokens, False)):
-            if value is not None or not optional:
-                check_int(name, value, 1)
+        config = EngineConfig.resolve({"cache": cache, "recompute": recompute, "compression": compression,
+                                       "tiers": tiers, "eviction": eviction}, settings)
+        cache, recompute, tiers = config.cache, config.recompute, config.tiers
+        check_int("max_step_tokens", max_step_tokens, 1)
         check_seed(seed)
-        check_int("host_kv_cache_bytes", host_kv_cache_bytes, 0)
-        check_int("disk_kv_cache_bytes", disk_kv_cache_bytes, 1)
-        if cold_kv_qtype not in ("fp8_e4m3", "int8", None):
-            raise ValueError(f"cold_kv_qtype must be 'fp8_e4m3', 'int8' or None (lossless), got {cold_kv_qtype!r}")
-        if remote_kv_store is not None and not isinstance(remote_kv_store, RemoteStore):
-            raise TypeError(f"remote_kv_store must be a samcache.tiers.RemoteStore (e.g. MooncakeStore), "
-                            f"got {type(remote_kv_store).__name__}")
-        if num_blocks is not None and kv_cache_bytes is not None:
-            raise ValueError("pass num_blocks or kv_cache_bytes (the pool's size), not both")
         if share_weights_with is not None and not isinstance(share_weights_with, SAMcacheEngine):
             raise TypeError(f"share_weights_with must be a SAMcacheEngine, got {type(share_weights_with).__name__}")
-        if model_id is not None and (not isinstance(model_id, str) or not model_id or "\x00" in model_id):
-            raise ValueError(f"model_id must be a non-empty str without NUL characters (samcache derives cache "
-                             f"spaces from it with them), got {model_id!r}")
-        if tenant is not None and not isinstance(tenant, (str, bytes)):
-            raise TypeError(f"tenant must be a str, bytes or None, got {type(tenant).__name__}")
-        if prefix_reuse not in ("exact", "approximate"):
-            raise ValueError(f"prefix_reuse must be 'exact' or 'approximate', got {prefix_reuse!r}")
-        if recompute_budget not in BUDGETS:
-            raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {recompute_budget!r}")
-        if isinstance(eviction_policy, EvictionPolicy):
-            if eviction_options:
-                raise ValueError("eviction_options go with a policy name, not with a policy object")
-            policy = eviction_policy
-        elif isinstance(eviction_policy, str):
-            if eviction_options is not None and not isinstance(eviction_options, dict):
-                raise TypeError(f"eviction_options must be a dict, got {type(eviction_options).__name__}")
-            policy = make_policy(eviction_policy, **(eviction_options or {}))
-        else:
-            raise TypeError(f"eviction_policy must be a policy name ({', '.join(POLICIES)}) or an EvictionPolicy, "
-                            f"got {type(eviction_policy).__name__}")
+        self.config = config
+        self.recompute_relevance = recompute.relevance
+        self.keep_image_order = recompute.keep_image_order
+        self.repair = recompute.repair
+        policy = config.eviction.make_policy()
         self.model_path = pathlib.Path(model_path)
         self.family = detect_family(self.model_path)
         fingerprint = model_fingerprint(self.model_path)
@@ -283,14 +221,15 @@ class SAMcacheEngine:
                              f"not those of {self.model_path}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        kv_cache_bytes = cache.kv_cache_bytes
         if kv_cache_bytes is None:
             kv_cache_bytes = (8 << 30) if self.device.type == "cuda" else (256 << 20)
         self.runner = ModelRunner(
-            self.model_path, self.family, device=self.device, dtype=self.dtype, block_size=block_size,
-            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+            self.model_path, self.family, device=self.device, dtype=self.dtype, block_size=cache.block_size,
+            num_blocks=cache.num_blocks, kv_cache_bytes=kv_cache_bytes,
             model=share_weights_with.runner.model if share_weights_with is not None else None,
         )
-        self.compression = self._compression_settings(compression_enabled, compression_keep, compression_layers)
+        self.compression = self._compression_settings(config.compression)
         layer = self.repair.select_layer
         if layer is not None and layer >= self.runner.num_layers:
             raise ValueError(f"recompute_method {self.repair.describe()}: check_layer {layer} needs a model deeper "
@@ -298,7 +237,7 @@ class SAMcacheEngine:
         if self.compression is not None and (layer is not None or self.repair.isolated):
             raise ValueError(f"recompute_method {self.repair.name!r} does not combine with compression_enabled=True "
                              "(compressed records fix their rows and KV before the step); use 'two-track' or 'boundary'")
-        self.pool = BlockPool(self.runner.num_blocks, block_size)
+        self.pool = BlockPool(self.runner.num_blocks, cache.block_size)
         self.processor = load_processor(self.model_path)
         self.tokenizer = self.processor.tokenizer
         if self.family.vision_input == "tiles":  # InternVL: tiles of a fixed token count
@@ -312,62 +251,18 @@ class SAMcacheEngine:
         eos = getattr(self.runner.model.generation_config, "eos_token_id", None) or cfg.text_config.eos_token_id
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
-        self.model_id = model_id or fingerprint
-        self.tenant = tenant
-        self.use_prefix = cache_enabled and prefix_cache
-        self.use_vit_cache = cache_enabled and vit_cache
-        self.use_image_kv = cache_enabled and image_kv_cache
-        self.prefix_reuse = prefix_reuse
-        self.recompute_ratio = float(recompute_ratio)
-        self.recompute_budget = recompute_budget
-        self.sensitivity = self._load_sensitivity(sensitivity)
+        self.model_id = cache.model_id or fingerprint
+        self.tenant = cache.tenant
+        self.use_prefix = cache.use_prefix
+        self.use_vit_cache = cache.use_vit_cache
+        self.use_image_kv = cache.use_image_kv
+        self.prefix_reuse = cache.prefix_reuse
+        self.recompute_ratio = recompute.ratio
+        self.recompute_budget = recompute.budget
+        self.sensitivity = self._load_sensitivity(recompute.sensitivity)
         self._warned_uniform = False
         self._solved: dict = {}
-        pool_bytes = self.runner.num_blocks * self.runner.block_bytes
-        check_int("disk_vit_cache_bytes", disk_vit_cache_bytes, 0)
-        check_int("disk_prefix_cache_bytes", disk_prefix_cache_bytes, 0)
-        if (disk_vit_cache_bytes or disk_prefix_cache_bytes) and disk_kv_cache_dir is None:
-            raise ValueError("disk_vit_cache_bytes and disk_prefix_cache_bytes need disk_kv_cache_dir (their files go "
-                             "in its vit/ and prefix-blocks/ folders)")
-        if disk_prefix_cache_bytes and not host_prefix_cache_bytes:
-            raise ValueError("disk_prefix_cache_bytes needs host_prefix_cache_bytes > 0: prefix blocks reach the disk "
-                             "when host memory cannot keep them")
-        # Items on disk beside image KV are framed under the model's id (their keys already carry the tenant).
-        disk_namespace = Namespace(self.model_id, "samcache/disk")
-        vit_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "vit", disk_vit_cache_bytes, qtype=None)
-                    if disk_vit_cache_bytes and self.use_vit_cache else None)
-        to_disk = None if vit_disk is None else lambda k, out, grid: self.executor.spill_vit(k, out, grid)
-        check_int("host_vit_cache_bytes", host_vit_cache_bytes, 0)
-        # ViT outputs: the device cache -> host memory -> disk, each letting go into the next.
-        vit_host = (TensorStore("vit-host", host_vit_cache_bytes, spill=to_disk)
-                    if host_vit_cache_bytes and self.use_vit_cache else None)
-        def to_host(k, out, grid) -> None:  # an output host memory cannot hold goes on down
-            if not vit_host.put(k, (out[0].cpu(), tuple(t.cpu() for t in out[1])), check=grid) and to_disk:
-                to_disk(k, out, grid)
-
-        self.vit_store = TensorStore("vit", vit_cache_bytes, spill=to_disk if vit_host is None else to_host)
-        self.lower_tiers = None
-        if self.use_image_kv and (host_kv_cache_bytes or disk_kv_cache_dir is not None or remote_kv_store is not None):
-            disk = (DiskTier(disk_kv_cache_dir, disk_kv_cache_bytes, qtype=cold_kv_qtype, block_size=block_size)
-                    if disk_kv_cache_dir is not None else None)
-            remote = (RemoteTier(remote_kv_store, qtype=cold_kv_qtype, block_size=block_size)
-                      if remote_kv_store is not None else None)
-            self.lower_tiers = LowerTiers(host_kv_cache_bytes, disk, remote, pin_memory=self.device.type == "cuda")
-        self.image_kv_store = ImageKVStore(self.pool, min(image_kv_cache_bytes or pool_bytes, pool_bytes),
-                                           self.runner.block_bytes, lower=self.lower_tiers,
-                                           read_kv=self.runner.read_kv)
-        self.contexts = ContextTree(self.pool)
-        check_int("host_prefix_cache_bytes", host_prefix_cache_bytes, 0)
-        prefix_disk = (DiskTier(pathlib.Path(disk_kv_cache_dir) / "prefix-blocks", disk_prefix_cache_bytes, qtype=None)
-                       if disk_prefix_cache_bytes and self.use_prefix else None)
-        # With a shared store, the exact prefix blocks this instance computes are published there too.
-        prefix_remote = RemoteTier(remote_kv_store, qtype=None) if remote_kv_store is not None else None
-        prefix_tier = (PrefixTier(host_prefix_cache_bytes, disk=prefix_disk, remote=prefix_remote,
-                                  namespace=disk_namespace)
-                       if host_prefix_cache_bytes and self.use_prefix else None)
-        self.executor = Executor(self.runner, self.pool, self.processor, vit_store=self.vit_store,
-                                 image_kv_store=self.image_kv_store, contexts=self.contexts, prefix_tier=prefix_tier,
-                                 vit_disk=vit_disk, vit_host=vit_host, disk_namespace=disk_namespace)
+        self._build_stores(cache, tiers)
         self.scheduler = Scheduler(self.executor, self.eos_token_ids, max_step_tokens=max_step_tokens)
         self.eviction_policy = policy
         # Plain LRU is the pool's and the stores' own order: nothing to track or write.
@@ -376,10 +271,44 @@ class SAMcacheEngine:
                                            lower=self.lower_tiers))
         if self.priorities is not None and self.lower_tiers is not None:
             self.lower_tiers.priority_of = self.priorities.priority_of  # demotion order from the policy
-        self.prefetch_horizon = check_int("prefetch_horizon", prefetch_horizon, 0)
+        self.prefetch_horizon = config.eviction.prefetch_horizon
         self.seed = seed
         self._turns = 0
         self._lock = threading.RLock()
+
+    def _build_stores(self, cache: CacheConfig, tiers: TierConfig) -> None:
+        """The stores, the tiers below the pool and the executor over them."""
+        pool_bytes = self.runner.num_blocks * self.runner.block_bytes
+        disk_dir = None if tiers.disk_kv_cache_dir is None else pathlib.Path(tiers.disk_kv_cache_dir)
+        # Items on disk beside image KV are framed under the model's id (their keys already carry the tenant).
+        disk_namespace = Namespace(self.model_id, "samcache/disk")
+        vit_disk = (DiskTier(disk_dir / "vit", tiers.disk_vit_cache_bytes, qtype=None)
+                    if tiers.disk_vit_cache_bytes and self.use_vit_cache else None)
+        self.lower_tiers = None
+        if self.use_image_kv and tiers.holds_image_kv:
+            disk = (DiskTier(disk_dir, tiers.disk_kv_cache_bytes, qtype=tiers.cold_kv_qtype, block_size=cache.block_size)
+                    if disk_dir is not None else None)
+            remote = (RemoteTier(tiers.remote_kv_store, qtype=tiers.cold_kv_qtype, block_size=cache.block_size)
+                      if tiers.remote_kv_store is not None else None)
+            self.lower_tiers = LowerTiers(tiers.host_kv_cache_bytes, disk, remote, pin_memory=self.device.type == "cuda")
+        # ViT outputs: the device cache -> host memory -> disk, each letting go into the next.
+        self.vit = VitChain(self.runner, self.processor, device_bytes=cache.vit_cache_bytes,
+                            host_bytes=tiers.host_vit_cache_bytes if self.use_vit_cache else 0, disk=vit_disk,
+                            disk_namespace=disk_namespace, lower=self.lower_tiers)
+        self.vit_store = self.vit.store
+        self.image_kv_store = ImageKVStore(self.pool, min(cache.image_kv_cache_bytes or pool_bytes, pool_bytes),
+                                           self.runner.block_bytes, lower=self.lower_tiers,
+                                           read_kv=self.runner.read_kv)
+        self.contexts = ContextTree(self.pool)
+        prefix_disk = (DiskTier(disk_dir / "prefix-blocks", tiers.disk_prefix_cache_bytes, qtype=None)
+                       if tiers.disk_prefix_cache_bytes and self.use_prefix else None)
+        # With a shared store, the exact prefix blocks this instance computes are published there too.
+        prefix_remote = RemoteTier(tiers.remote_kv_store, qtype=None) if tiers.remote_kv_store is not None else None
+        prefix_tier = (PrefixTier(tiers.host_prefix_cache_bytes, disk=prefix_disk, remote=prefix_remote,
+                                  namespace=disk_namespace)
+                       if tiers.host_prefix_cache_bytes and self.use_prefix else None)
+        self.executor = Executor(self.runner, self.pool, self.vit, image_kv_store=self.image_kv_store,
+                                 contexts=self.contexts, prefix_tier=prefix_tier)
 
     # ---- public API ---------------------------------------------------------------------------
     def new_session(self, system: str | None = None, *, tenant: str | None = None, hold_context: bool = False
@@ -462,17 +391,17 @@ class SAMcacheEngine:
                 out["image_kv_disk"] = lower.disk.stats()
             if lower.remote is not None:
                 out["image_kv_remote"] = dict(lower.remote.stats)
-        tier = self.executor.prefix_tier
+        tier = self.executor.tiers.prefix_tier
         if tier is not None:
             out["prefix"] = dict(tier.stats)
             if tier.disk is not None:
                 out["prefix_disk"] = tier.disk.stats()
             if tier.remote is not None:
                 out["prefix_remote"] = dict(tier.remote.stats)
-        if self.executor.vit_host is not None:
-            out["vit_host"] = vars(self.executor.vit_host.stats).copy()
-        if self.executor.vit_disk is not None:
-            out["vit_disk"] = self.executor.vit_disk.stats()
+        if self.vit.host is not None:
+            out["vit_host"] = vars(self.vit.host.stats).copy()
+        if self.vit.disk is not None:
+            out["vit_disk"] = self.vit.disk.stats()
         return out
 
     def prefetch_plan(self, horizon: int = 2) -> list:
@@ -641,13 +570,13 @@ class SAMcacheEngine:
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
         return keeps_image_order(self.keep_image_order, self.sensitivity, ratio, self.recompute_budget)
 
-    def _compression_settings(self, enabled: bool, keep, layers) -> CompressionSettings | None:
+    def _compression_settings(self, config: CompressionConfig) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with
         router logits, so it needs an MoE language model with a router at every stage layer."""
-        if not enabled:
+        if not config.enabled:
             return None
         runner = self.runner
-        settings = CompressionSettings.for_model(runner.num_layers, keep=keep, layers=layers)
+        settings = CompressionSettings.for_model(runner.num_layers, keep=config.keep, layers=config.layers)
         dense = [l for l in settings.layers if not hasattr(getattr(runner.layers[l].mlp, "gate", None), "weight")]
         if dense:
             raise ValueError(
@@ -740,8 +669,8 @@ class SAMcacheEngine:
                 # Published while the turns decoded; in the shared store before the call returns, so
                 # another instance the caller tells next finds it.
                 self.lower_tiers.flush()
-            if self.executor.prefix_tier is not None:
-                self.executor.prefix_tier.flush()
+            if self.executor.tiers.prefix_tier is not None:
+                self.executor.tiers.prefix_tier.flush()
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
                 order = (" and (keep_image_order='auto') images are reused at any index"
@@ -760,7 +689,7 @@ class SAMcacheEngine:
         host tier (``host_kv_cache_bytes``) for the items to come up into."""
         lower = self.lower_tiers
         # Items come up into host memory: without room there a prefetch would be read twice.
-        if (lower is None or self.executor.transfer is None or not lower.host_bytes
+        if (lower is None or self.executor.tiers.transfer is None or not lower.host_bytes
                 or (lower.disk is None and lower.remote is None)):
             return 0
         items, seen = [], set()
@@ -851,19 +780,3 @@ class SAMcacheEngine:
 
 
 __all__ = ["BatchError", "CALIBRATION_CONTINUATION", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]
-
-
-def _repair_method(method, head_fraction: float, track2_share: float, tracks: str) -> RepairMethod:
-    """The engine's repair method: ``method`` (a name or a RepairMethod), with the two-track
-    settings where it is two-track; those settings given with another method are an error."""
-    if tracks not in ("both", "heads"):
-        raise ValueError(f"recompute_tracks must be 'both' or 'heads', got {tracks!r}")
-    if isinstance(method, str) and method == TwoTrack.name:
-        return TwoTrack(head_fraction=head_fraction, track2_share=track2_share, tracks=tracks)
-    method = repair_method(method)
-    given = [name for name, value, default in (("head_fraction", head_fraction, 0.1), ("track2_share", track2_share, 0.5),
-                                                ("recompute_tracks", tracks, "both")) if value != default]
-    if given:
-        raise ValueError(f"{', '.join(given)} shape recompute_method='two-track', not {method.name!r} "
-                         f"(give the method's own settings as an object, e.g. samcache.recompute.{type(method).__name__}(...))")
-    return method

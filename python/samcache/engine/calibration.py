@@ -47,7 +47,8 @@ from samcache.hashing import Namespace
 from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
 from samcache.recompute.budget import check_probe_rates, solve_layer_budget, tokens_per_layer
 from samcache.recompute.image_order import ImageOrderCheck, confident_agreement
-from samcache.stores import ImageKVStore, TensorStore
+from samcache.engine.vit_chain import VitChain
+from samcache.stores import ImageKVStore
 
 if TYPE_CHECKING:  # the engine calls this module; the annotation alone names it back
     from samcache.engine.api import SAMcacheEngine
@@ -74,7 +75,7 @@ class Calibrator:
         runner = ModelRunner(e.model_path, e.family, device=e.device, dtype=e.dtype, block_size=e.runner.block_size,
                              num_blocks=-(-tokens // e.runner.block_size) + 4, model=e.runner.model)
         pool = BlockPool(runner.num_blocks, runner.block_size)
-        return Executor(runner, pool, e.processor, vit_store=TensorStore("calibration-vit", 256 << 20),
+        return Executor(runner, pool, VitChain(runner, e.processor, device_bytes=256 << 20, name="calibration-vit"),
                         image_kv_store=ImageKVStore(pool, runner.num_blocks * runner.block_bytes, runner.block_bytes))
 
     def run(self, images: Sequence[Any] | None = None, *, requests: Sequence[tuple[list, list]] | None = None,

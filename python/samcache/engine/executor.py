@@ -11,6 +11,11 @@ A request goes through three stages, so that a step can batch many of them and o
 3. :meth:`Executor.register`: keep what the turn computed (new images' KV, held in the pool's
    blocks; ViT outputs) for later turns.
 
+The executor holds the core of these stages; three parts it calls do one job each: the ViT cache
+chain (:class:`samcache.engine.vit_chain.VitChain`), the traffic with the tiers below the pool
+(:class:`samcache.engine.tier_io.TierIO`) and compressed images' KV
+(:class:`samcache.engine.compressed_kv.CompressedKV`).
+
 Only blocks whose KV equals a full prefill's (``plan.exact_tokens``) are hashed into the exact
 prefix cache; blocks holding approximate KV (spliced images and everything after them, unless
 every reused token was recomputed at every layer) are never served as exact prefix hits.
@@ -37,14 +42,15 @@ from samcache.engine.batch import RowSelection, SequenceStep, StepBatch
 from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import ImageSpan, Prompt
 from samcache.engine.runner import ModelRunner
+from samcache.engine.tier_io import TierIO, TierLoad
+from samcache.engine.compressed_kv import CompressedKV
+from samcache.engine.vit_chain import VitChain
 from samcache.errors import OutOfBlocks, PromptTooLong
 from samcache.hashing import ContentKey, Namespace
 from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, image_key, plan_request
-from samcache.stores import HeldImage, ImageKVStore, TensorStore
-from samcache.tiers.lower import Fetched
+from samcache.stores import HeldImage, ImageKVStore
 from samcache.tiers.prefix import PrefixTier
-from samcache.tiers.transfer import LayerLoad, TransferEngine
 
 _LOWEST = -(2**31)
 _RELEVANCE_QUERIES = 32  # the prompt's last new tokens whose attention scores track 2
@@ -121,54 +127,19 @@ class Prepared:
     compressed_from: int | None = None  # the first compressed image's start (later KV is compacted)
 
 
-class TierLoad:
-    """Images' KV loading from a lower tier straight into a sequence's slots, layer by layer: before
-    layer l runs, :meth:`before_layer` waits for layer l's copy and re-rotates its keys in place to
-    the new positions. Idempotent per layer (a step may be run twice, e.g. for fidelity)."""
-
-    def __init__(self, runner: ModelRunner, load: LayerLoad, slots: np.ndarray, deltas: np.ndarray) -> None:
-        self.runner, self.load, self.slots, self.deltas = runner, load, slots, deltas
-        self._moved = bool(np.any(deltas))
-        self._done: set[int] = set()
-
-    def before_layer(self, layer: int) -> None:
-        if layer in self._done:
-            return
-        self.load.wait(layer)
-        if self._moved:
-            self.runner.splice(self.slots, self.slots, self.deltas, layers=(layer,))
-        self._done.add(layer)
-
-    def finish(self) -> None:
-        """Every layer in place now (for what reads the KV before the forward)."""
-        for layer in range(self.runner.num_layers):
-            self.before_layer(layer)
-
-    def release(self) -> None:
-        self.load.release()
-
-
 class Executor:
     """Stages of serving requests over ``runner`` (weights, KV caches), ``pool`` (blocks and the
     prefix cache) and the stores (ViT outputs, image KV)."""
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, processor, *, vit_store: TensorStore,
-                 image_kv_store: ImageKVStore, contexts: ContextTree | None = None,
-                 prefix_tier: PrefixTier | None = None, vit_disk=None, vit_host=None,
-                 disk_namespace: Namespace | None = None) -> None:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, vit: VitChain, *, image_kv_store: ImageKVStore,
+                 contexts: ContextTree | None = None, prefix_tier: PrefixTier | None = None) -> None:
         self.runner = runner
         self.pool = pool
-        self.processor = processor
-        self.vit_store = vit_store
+        self.vit = vit  # ViT outputs: device, host, disk, the shared store
         self.image_kv_store = image_kv_store
         self.contexts = contexts  # held sessions' KV, given up under pressure after cached images
-        self.prefix_tier = prefix_tier  # evicted prefix blocks' KV in host memory, by prefix hash
-        self.vit_disk = vit_disk  # ViT outputs the ViT cache let go (a DiskTier), framed under disk_namespace
-        self.vit_host = vit_host  # ... or, first, in host memory (a TensorStore of CPU tensors)
-        self.disk_namespace = disk_namespace
-        # Hits in the tiers below the pool load into the sequence layer by layer (TierLoad).
-        self.transfer = (TransferEngine(runner.k_cache, runner.v_cache)
-                         if image_kv_store.lower is not None else None)
+        self.tiers = TierIO(runner, pool, image_kv_store, prefix_tier)  # KV to and from the tiers below the pool
+        self.compressed = CompressedKV(runner, pool, image_kv_store, self.tiers)  # compressed images' KV
 
     # ---- stage 1 -------------------------------------------------------------------------------
     def layout(self, prompt: Prompt, namespace: Namespace, options: RequestOptions | None = None) -> PromptLayout:
@@ -211,8 +182,8 @@ class Executor:
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
-                if self.prefix_tier is not None:
-                    adopted = self._restore_prefix(seq, prompt, adopted, self.prefix_space(namespace, options), m)
+                if self.tiers.prefix_tier is not None:
+                    adopted = self.tiers.restore_prefix(seq, prompt, adopted, self.prefix_space(namespace, options), m)
             layout = self.layout(prompt, namespace, options)
             held: dict[Any, HeldImage] = {}
 
@@ -228,8 +199,8 @@ class Executor:
                     held[slot.key] = h
                     return CachedImage(h.length, h.position, h.index), h
                 # Compacted layers need every spliced image in place before the step: no layer-by-layer loads.
-                if self.transfer is not None and options.compression is None:
-                    got = self._fetch_lower(slot.key, namespace, check, m)
+                if self.tiers.transfer is not None and options.compression is None:
+                    got = self.tiers.fetch(slot.key, namespace, check, m)
                     if got is not None:
                         loaded[slot.key] = (got, check)
                         return CachedImage(int(got.kv.shape[2]), got.position), got
@@ -239,10 +210,10 @@ class Executor:
                                    budget=options.budget, num_layers=runner.num_layers)
             plan = request.plan
             m.image_kv_hits, m.image_kv_misses = request.hit_images, len(request.misses)
-            compress = self.compressible(prompt, plan) if options.compression is not None else []
+            compress = self.compressed.compressible(prompt, plan) if options.compression is not None else []
             packed = [s for s in plan.spliced if layout.images[s.image].key in held
                       and held[layout.images[s.image].key].packed]
-            compaction = self._compaction(packed, held, layout) if packed or compress else None
+            compaction = self.compressed.compaction(packed, held, layout) if packed or compress else None
             starts = [s.start for s in packed] + [start for start, _ in compress]
             compressed_from = min(starts) if starts else None
             self._allocate(seq, prompt, adopted, plan, options, compressed_from)
@@ -250,30 +221,30 @@ class Executor:
             table = pool.block_table(seq)
             from_pool = [s for s in plan.spliced if layout.images[s.image].key in held]
             if from_pool and (packed or (compaction is not None and compaction.active)):
-                self._splice_compacted(from_pool, held, layout, table, compaction)
+                self.compressed.splice(from_pool, held, layout, table, compaction)
             elif from_pool:  # every image the pool holds, re-rotated into place, in one call
                 src = [self.image_kv_store.slots(held[layout.images[s.image].key], s.offset, s.length)
                        for s in from_pool]
                 dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in from_pool]
                 deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in from_pool])
                 runner.splice(np.concatenate(src), np.concatenate(dst), deltas)
-            load = self._start_load(layout, plan, loaded, table, namespace)
+            load = self.tiers.start_load(layout, plan, loaded, table, namespace)
             # ViT outputs: images with new tokens, and (when some of their tokens may be recomputed)
             # the spliced ones; one batched vision-tower call for all misses.
             wanted = set(plan.vit_images)
             if plan.recompute is not None:
                 wanted |= {s.image for s in plan.spliced}
             vit: dict[int, tuple] = {}
-            self.ensure_vit(prompt, sorted(wanted), vit, m, options, namespace)
+            self.vit.ensure(prompt, sorted(wanted), vit, m, options, namespace)
             if plan.needs_scores and options.relevance == "routing":
-                plan = plan.with_scores(self.routing_relevance(prompt, packed, held, layout))
+                plan = plan.with_scores(self.compressed.routing_relevance(prompt, packed, held, layout))
             elif plan.needs_scores:
                 if load is not None:
                     load.finish()  # scoring reads the spliced keys
                 plan = plan.with_scores(self.relevance(prompt, plan, table, vit))
             replays = []
             if packed and plan.recompute is not None:
-                plan, replays = self._close_groups(plan, packed, held, layout, compaction)
+                plan, replays = self.compressed.close_groups(plan, packed, held, layout, compaction)
             step = self.sequence_step(prompt, plan, table, vit)
             if load is not None:
                 step.before_layer = load.before_layer
@@ -283,7 +254,7 @@ class Executor:
         except BaseException:
             if load is not None:
                 load.release()  # no copy may land in blocks freed below
-            self._return_loaded(loaded, namespace)
+            self.tiers.give_back(loaded, namespace)
             self.discard(seq, table_from=adopted // bs, hashed=hashed)
             raise
         finally:
@@ -301,76 +272,6 @@ class Executor:
         m.exact_tokens = plan.exact_tokens
         return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded, step.compaction,
                         compressed_from)
-
-    @staticmethod
-    def compressible(prompt: Prompt, plan: ReusePlan) -> list[tuple[int, int]]:
-        """Image spans (start, length) a compressing request merges: the new images, which it
-        computes in full at every layer (reused KV after them moves to its compacted slots at the
-        stage: ``ModelRunner._compact``)."""
-        new = set(plan.vit_images) - {s.image for s in plan.spliced}
-        return [(s.start, s.length) for s in prompt.images if s.index in new and s.start >= plan.prefix_tokens]
-
-    def _compaction(self, packed, held: dict, layout: PromptLayout) -> Compaction:
-        """The compacted layers of a sequence that splices these compressed records: each record's
-        tokens a layer does not hold are gone from that layer on."""
-        compaction = Compaction(self.runner.num_layers)
-        for s in packed:
-            kept = held[layout.images[s.image].key].kept
-            for layer in range(1, len(kept)):
-                if kept[layer] is not kept[layer - 1]:
-                    compaction.remove(layer, s.start + np.setdiff1d(kept[layer - 1], kept[layer], assume_unique=True))
-        return compaction
-
-    def _splice_compacted(self, spans, held: dict, layout: PromptLayout, table: np.ndarray,
-                          compaction: Compaction) -> None:
-        """Splice images into a sequence with compacted layers: per layer, each image's rows (all of
-        them, or what a compressed record holds) go to that layer's compacted slots, keys re-rotated;
-        one fused call for all of them."""
-        runner, store, bs = self.runner, self.image_kv_store, self.pool.block_size
-        src, dst, deltas = [], [], []
-        for s in spans:
-            h = held[layout.images[s.image].key]
-            for layer in range(runner.num_layers):
-                if h.packed:
-                    offsets, rows = h.kept[layer], store.packed_rows(h, layer)
-                else:
-                    offsets = np.arange(s.offset, s.offset + s.length)
-                    rows = runner.flat_rows(layer, store.slots(h, s.offset, s.length))
-                where = compaction.slots(layer, s.start + offsets - s.offset)
-                src.append(rows)
-                dst.append(runner.flat_rows(layer, slot_ids(table, where, bs)))
-                deltas.append(np.full(rows.size, s.delta, dtype=np.int64))
-        runner.splice_flat(np.concatenate(src), np.concatenate(dst), np.concatenate(deltas))
-
-    def _close_groups(self, plan: ReusePlan, packed, held: dict, layout: PromptLayout,
-                      compaction: Compaction) -> tuple[ReusePlan, list]:
-        """Recompute over compressed records: an anchor recomputed after a stage needs its group's
-        fresh hidden states at the stage (the record's merge replayed), so its whole group is
-        recomputed up to there, and theirs before, down to layer 0. Returns the plan with the
-        closed per-layer rows and the merges to replay (layer, positions, targets, weights)."""
-        rows = list(plan.layer_rows)
-        replays = []
-        for s in packed:
-            merges = {layer: (s.start + m, s.start + t, w) for layer, m, t, w in held[layout.images[s.image].key].merges}
-            need: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
-            above = None
-            for layer in range(len(rows) - 1, -1, -1):
-                r = rows[layer]
-                mine = compaction.kept(layer, r[(r >= s.start) & (r < s.end)])
-                if above is not None:
-                    if layer in merges:  # the tokens above are this stage's anchors: their groups here
-                        members, targets, _ = merges[layer]
-                        mine = np.union1d(mine, members[np.isin(targets, above)])
-                    else:
-                        mine = np.union1d(mine, above)
-                need[layer] = above = mine
-            for layer, (members, targets, weights) in merges.items():
-                if layer + 1 < len(rows) and need[layer + 1].size:
-                    chosen = np.isin(targets, need[layer + 1])
-                    replays.append((layer, members[chosen], targets[chosen], weights[chosen]))
-            for layer, r in enumerate(rows):
-                rows[layer] = np.union1d(r[(r < s.start) | (r >= s.end)], need[layer])
-        return replace(plan, layer_rows=tuple(rows)), replays
 
     def fork_prefilled(self, pre: Prepared) -> int:
         """A sequence holding ``pre``'s prefill KV, to decode beside it. Compacted layers write a
@@ -392,43 +293,6 @@ class Executor:
             pool.free_sequence(fork)
             raise
         return fork
-
-    def _fetch_lower(self, key, namespace: Namespace, check, m: TurnMetrics) -> Fetched | None:
-        """An image's KV from the tiers below the pool (None: no tier has it)."""
-        got = self.image_kv_store.lower.fetch(namespace, key, check)
-        if got is not None:
-            if got.tier == "host":
-                m.image_kv_host_hits += 1
-            elif got.tier == "disk":
-                m.image_kv_disk_hits += 1
-            else:
-                m.image_kv_remote_hits += 1
-        return got
-
-    def _start_load(self, layout: PromptLayout, plan: ReusePlan, loaded: dict, table: np.ndarray,
-                    namespace: Namespace) -> TierLoad | None:
-        """Start loading the spliced spans of images fetched from a lower tier into the sequence's
-        slots (one transfer job, layer by layer); images fetched but not spliced go back down."""
-        spans = [s for s in plan.spliced if layout.images[s.image].key in loaded]
-        used = {layout.images[s.image].key for s in spans}
-        self._return_loaded({k: v for k, v in loaded.items() if k not in used}, namespace)
-        for key in set(loaded) - used:
-            del loaded[key]
-        if not spans:
-            return None
-        bs = self.pool.block_size
-        kv = torch.cat([loaded[layout.images[s.image].key][0].kv[:, :, s.offset:s.offset + s.length] for s in spans],
-                       dim=2)
-        slots = np.concatenate([slot_ids(table, np.arange(s.start, s.end), bs) for s in spans])
-        deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in spans])
-        return TierLoad(self.runner, self.transfer.load(kv, slots), slots, deltas)
-
-    def _return_loaded(self, loaded: dict, namespace: Namespace) -> None:
-        """Fetched images this turn does not keep go back down a tier (a fetch takes them out of
-        host memory)."""
-        lower = self.image_kv_store.lower
-        for key, (got, check) in loaded.items():
-            lower.demote(namespace, key, got.kv, got.position, check)
 
     def _allocate(self, seq: int, prompt: Prompt, adopted: int, plan: ReusePlan, options: RequestOptions,
                   compressed_from: int | None = None) -> None:
@@ -459,7 +323,7 @@ class Executor:
             self.contexts.release_for_blocks(need)
         if need > pool.num_free_blocks():
             raise error(f"{what} needs {need} more KV blocks but only {pool.num_free_blocks()} are free or evictable")
-        self._demote_for(need)
+        self.tiers.demote_for(need)
 
     def _blocks_opened(self, seq: int, tokens: int) -> int:
         """Blocks that appending ``tokens`` to ``seq`` takes: the ones the tokens open, plus a
@@ -471,136 +335,6 @@ class Executor:
         if n0 % bs and len(table) and pool.refcount(int(table[-1])) > 1:
             opened += 1
         return opened
-
-    def _demote_for(self, need: int) -> None:
-        """Before ``need`` blocks are handed out: evict the cached blocks that would go and copy
-        their KV to the prefix tier (the pool would evict them anyway, losing it)."""
-        if self.prefix_tier is None:
-            return
-        short = need - int(self.pool.stats()["free_blocks"])
-        if short <= 0:
-            return
-        ids, hashes = self.pool.evict_reporting(short)
-        if not ids.size:
-            return
-        bs = self.pool.block_size
-        kv = self.runner.read_kv((ids.astype(np.int64)[:, None] * bs + np.arange(bs)).reshape(-1))
-        for i, h in enumerate(hashes):
-            self.prefix_tier.put(h.tobytes(), kv[:, :, i * bs:(i + 1) * bs])
-
-    def _restore_prefix(self, seq: int, prompt: Prompt, adopted: int, space: Namespace, m: TurnMetrics) -> int:
-        """Continue the adopted prefix with the blocks the prefix tier holds for the prompt's next
-        block hashes (exact copies, registered again); the new adopted length."""
-        pool, bs, n = self.pool, self.pool.block_size, len(prompt)
-        hashes = pool.prefix_hashes(prompt.token_ids[: n - 1], prompt.extra_keys(n - 1), namespace=space)
-        found = []
-        for h in hashes[adopted // bs:]:
-            kv = self.prefix_tier.take(h.tobytes())
-            if kv is None:
-                break
-            found.append((h.tobytes(), kv))
-        if not found:
-            return adopted
-        k = len(found)
-        self._demote_for(k)
-        if pool.num_free_blocks() < k:  # no room: back down, prefill as usual
-            for h, kv in found:
-                self.prefix_tier.put(h, kv)
-            return adopted
-        res = pool.append_tokens(seq, prompt.token_ids[adopted: adopted + k * bs], prompt.extra_keys())
-        self.runner.copy_on_write(res.copies)
-        self.runner.write_kv(res.slots, torch.cat([kv for _, kv in found], dim=2))
-        m.prefix_restored_tokens += k * bs
-        return adopted + k * bs
-
-    def ensure_vit(self, prompt: Prompt, image_indices: Sequence[int], vit: dict, m: TurnMetrics,
-                   options: RequestOptions, namespace: Namespace | None = None) -> None:
-        """ViT outputs of these images: from the ViT cache (``options.use_vit``, in
-        ``options.vit_namespace`` or ``namespace``), else one batched vision-tower call, whose
-        outputs ``options.store_vit`` keeps (keyed by tenant too: a hit would tell one tenant,
-        through its TTFT and metrics, that another has sent this image)."""
-        namespace = options.vit_namespace or namespace
-        lower = self.image_kv_store.lower
-        remote = lower.remote if lower is not None and options.use_vit else None
-        missing = []
-        for i in image_indices:
-            if i in vit:
-                continue
-            span = prompt.images[i]
-            key = namespace.key(span.image.content)
-            hit = self.vit_store.get(key, check=span.image.grid) if options.use_vit else None
-            if hit is None and options.use_vit and self.vit_host is not None:
-                host = self.vit_host.get(key, check=span.image.grid)
-                if host is not None:
-                    r = self.runner
-                    hit = (host[0].to(r.device, r.dtype), tuple(t.to(r.device, r.dtype) for t in host[1]))
-                    m.vit_host_hits += 1
-                    if options.store_vit:
-                        self.vit_store.put(key, hit, check=span.image.grid)
-            if hit is None and options.use_vit and self.vit_disk is not None:
-                hit = self._disk_vit(key, span)
-                if hit is not None:
-                    m.vit_disk_hits += 1
-                    if options.store_vit:
-                        self.vit_store.put(key, hit, check=span.image.grid)
-            if hit is None and remote is not None:  # another instance may have encoded it
-                hit = self._remote_vit(remote, namespace, key, span)
-                if hit is not None:
-                    m.vit_remote_hits += 1
-                    if options.store_vit:
-                        self.vit_store.put(key, hit, check=span.image.grid)
-            if hit is not None:
-                vit[i] = hit
-                m.vit_hits += 1
-            else:
-                missing.append(i)
-        if not missing:
-            return
-        pixels = [prompt.images[i].image.pixels for i in missing]
-        # Always HxWx3: left to guess, the processor reads a 1- or 3-pixel-tall image as channels-first.
-        if self.runner.family.vision_input == "tiles":  # InternVL: tiles (and a thumbnail) per image
-            inputs = self.processor.image_processor(images=pixels, return_tensors="pt", input_data_format="channels_last",
-                                                    crop_to_patches=True)
-            outputs = self.runner.encode_images(inputs["pixel_values"], torch.as_tensor(inputs["num_patches"]))
-        else:
-            inputs = self.processor.image_processor(images=pixels, return_tensors="pt",
-                                                    input_data_format="channels_last")
-            outputs = self.runner.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
-        for i, out in zip(missing, outputs):
-            span = prompt.images[i]
-            if tuple(out[0].shape) != (span.length, self.runner.hidden_size):
-                raise RuntimeError(f"vision tower returned {tuple(out[0].shape)} for an image of {span.length} tokens")
-            vit[i] = out
-            m.vit_calls += 1
-            if options.use_vit and options.store_vit:
-                self.vit_store.put(namespace.key(span.image.content), out, check=span.image.grid)
-            if remote is not None and options.store_vit:  # what this instance encoded, others reuse (written off-thread)
-                lower.publish_tensors(namespace, namespace.key(span.image.content), "vit", [out[0], *out[1]],
-                                      {"check": [int(v) for v in span.image.grid]})
-
-    def spill_vit(self, key, out: tuple, grid) -> None:
-        """A ViT output the ViT cache lets go, written to the disk tier (lossless)."""
-        self.vit_disk.put_tensors(self.disk_namespace, key, [out[0], *out[1]], {"check": [int(v) for v in grid]})
-
-    def _disk_vit(self, key, span) -> tuple | None:
-        """An image's ViT output from the disk tier, if its record (patch grid) and shapes match."""
-        got = self.vit_disk.get_tensors(self.disk_namespace, key)
-        if got is None:
-            return None
-        return self._vit_from(got, span)
-
-    def _vit_from(self, got: tuple[list, dict], span) -> tuple | None:
-        tensors, meta = got
-        r = self.runner
-        if (meta.get("check") != [int(v) for v in span.image.grid] or len(tensors) != 1 + r.deepstack_layers
-                or tuple(tensors[0].shape) != (span.length, r.hidden_size)):
-            return None
-        return tensors[0].to(r.device, r.dtype), tuple(t.to(r.device, r.dtype) for t in tensors[1:])
-
-    def _remote_vit(self, remote, namespace: Namespace, key, span) -> tuple | None:
-        """An image's ViT output from the shared store, if its record (patch grid) and shape match."""
-        got = remote.get_tensors(namespace, key, "vit")
-        return None if got is None else self._vit_from(got, span)
 
     def _image_rows(self, prompt: Prompt, index: np.ndarray):
         """For each image with tokens among the (sorted) rows ``index``: (image, lo, hi, offsets),
@@ -630,18 +364,6 @@ class Executor:
         q = r.layer0_queries(self.embeds(prompt, queries, vit), prompt.positions[:, torch.from_numpy(queries)])
         keys = r.layer_keys(0, slot_ids(table, reused, self.pool.block_size))
         scores[reused] = attention_relevance(q, keys).double().cpu().numpy()
-        return scores
-
-    @staticmethod
-    def routing_relevance(prompt: Prompt, packed, held: dict, layout: PromptLayout) -> np.ndarray:
-        """Track-2 scores from the router instead of attention (the seed's variant, compressed
-        records only): each token's routing confidence at its record's first stage; 0 elsewhere."""
-        scores = np.zeros(len(prompt), dtype=np.float64)
-        for s in packed:
-            merges = held[layout.images[s.image].key].merges
-            if merges:
-                _, members, _, weights = merges[0]
-                scores[s.start + members] = weights
         return scores
 
     def attention_sample(self, pre: Prepared, queries: int = 8) -> dict[Any, float]:
@@ -742,51 +464,19 @@ class Executor:
         except BaseException:
             self.discard_prepared(pre)
             raise
-        self._return_loaded(self._finish_load(pre), pre.namespace)  # nothing registered: they go back down
-        self._note_compression(pre)
+        self.tiers.give_back(self.tiers.finish_load(pre), pre.namespace)  # nothing registered: they go back down
+        self.compressed.note_metrics(pre)
         return pre, logits
 
-    def _note_compression(self, pre: Prepared) -> None:
-        """Per-layer token counts of a compressed prefill, in its metrics."""
-        if pre.compaction is None:
-            return
-        m, n = pre.metrics, len(pre.prompt)
-        m.compressed_images = len(pre.step.compress or ())
-        m.layer_tokens = pre.compaction.tokens_per_layer(n)
-        m.visual_tokens_merged = n - m.layer_tokens[-1]
-
     # ---- stage 3 -------------------------------------------------------------------------------
-    def _publish_prefix(self, pre: Prepared) -> None:
-        """With a shared store under the prefix tier: publish the exact full blocks this turn
-        prefilled (from the adopted prefix to where exact KV ends), by their prefix hashes."""
-        tier = self.prefix_tier
-        if tier is None or tier.remote is None or not pre.options.register_prefix or not pre.options.use_prefix:
-            return
-        pool, bs, prompt = self.pool, self.pool.block_size, pre.prompt
-        n = len(prompt)
-        exact = max(pre.plan.prefix_tokens, pre.plan.exact_tokens)
-        if pre.compressed_from is not None:
-            exact = min(exact, pre.compressed_from)
-        first, last = pre.plan.prefix_tokens // bs, min(exact, n - 1) // bs
-        if last <= first:
-            return
-        hashes = pool.prefix_hashes(prompt.token_ids[: n - 1], prompt.extra_keys(n - 1),
-                                    namespace=self.prefix_space(pre.namespace, pre.options))
-        todo = [b for b in range(first, min(last, len(hashes))) if not tier.published(hashes[b].tobytes())]
-        if not todo:  # a prompt sent again: its blocks were offered before, read nothing
-            return
-        table = pool.block_table(pre.seq)
-        kv = self.runner.read_kv(slot_ids(table, np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in todo]), bs))
-        tier.publish([(hashes[b].tobytes(), kv[:, :, i * bs:(i + 1) * bs]) for i, b in enumerate(todo)])
-
     def register(self, pre: Prepared) -> None:
         """Keep the KV of every image this turn computed in full, or loaded whole from a lower
         tier (held in its blocks), for reuse at any position."""
-        self._publish_prefix(pre)
-        loaded = self._finish_load(pre)
-        self._note_compression(pre)
+        self.tiers.publish_prefix(pre, self.prefix_space(pre.namespace, pre.options))
+        loaded = self.tiers.finish_load(pre)
+        self.compressed.note_metrics(pre)
         if not (pre.options.store_images and pre.options.use_image_kv):
-            self._return_loaded(loaded, pre.namespace)
+            self.tiers.give_back(loaded, pre.namespace)
             return
         for span in pre.prompt.images:  # promoted: the pool holds them again, at this turn's positions
             key = self.image_kv_key(pre.namespace, span, pre.options)
@@ -795,14 +485,15 @@ class Executor:
                 if self.image_kv_store.put(key, pre.seq, span.start, span.length, position, check=loaded[key][1],
                                            namespace=pre.namespace):
                     del loaded[key]
-        self._return_loaded(loaded, pre.namespace)
+        self.tiers.give_back(loaded, pre.namespace)
         spliced = {s.image for s in pre.plan.spliced}
         for span in pre.prompt.images:
             if span.index in spliced or span.start < pre.plan.prefix_tokens:
                 continue  # its KV came from a cache: already held (or part of an adopted prefix)
             if pre.compressed_from is not None and span.start >= pre.compressed_from:
                 if span.start in dict(pre.step.compress or ()):
-                    self._store_compressed(pre, span)
+                    self.compressed.store(pre, span, self.image_kv_key(pre.namespace, span, pre.options),
+                                          self.kv_check(span, pre.options.compression))
                 continue  # compacted rows from here on: not one image's KV at its own slots
             key, check = self.image_kv_key(pre.namespace, span, pre.options), self.kv_check(span)
             if key in self.image_kv_store:
@@ -848,31 +539,6 @@ class Executor:
         pre.metrics.isolated_tokens += len(alone)
         return side.seq
 
-    def _store_compressed(self, pre: Prepared, span) -> None:
-        """Keep a compressed image's rows (what each layer holds), packed (``put_packed``)."""
-        key = self.image_kv_key(pre.namespace, span, pre.options)
-        if key in self.image_kv_store:
-            return  # held already: nothing to copy
-        runner, compaction, bs = self.runner, pre.compaction, self.pool.block_size
-        table = self.pool.block_table(pre.seq)
-        tokens = np.arange(span.start, span.end)
-        kept, sources = [], []
-        for layer in range(runner.num_layers):
-            held = compaction.kept(layer, tokens)
-            offsets = held - span.start
-            if kept and np.array_equal(kept[-1], offsets):
-                offsets = kept[-1]  # layers of one stage share one array
-            kept.append(offsets)
-            sources.append(runner.flat_rows(layer, slot_ids(table, compaction.slots(layer, held), bs)))
-        self._demote_for(self.image_kv_store.packed_blocks(tuple(kept)))  # evicted prefix blocks go down a tier first
-        merges = tuple((layer, positions - span.start, targets - span.start, weights)
-                       for layer, positions, targets, weights in compaction.merges
-                       if positions.size and span.start <= positions[0] < span.end)
-        self.image_kv_store.put_packed(key, tuple(kept), np.concatenate(sources), span.length,
-                                       int(pre.prompt.positions[0, span.start]), runner.copy_rows,
-                                       check=self.kv_check(span, pre.options.compression), namespace=pre.namespace,
-                                       merges=merges, index=span.index)
-
     # ---- decode ----------------------------------------------------------------------------------
     def decode_step(self, seq: int, token: int, position: int, hashed: bool,
                     compaction: Compaction | None = None) -> SequenceStep:
@@ -905,20 +571,9 @@ class Executor:
                             block_table=pool.block_table(seq), num_kv_tokens=n)
 
     # ---- failures --------------------------------------------------------------------------------
-    def _finish_load(self, pre: Prepared) -> dict:
-        """Release the turn's tier load (after its forward, or when it is dropped), note its times;
-        the images it loaded (key -> (Fetched, check)), for the caller to keep or send back."""
-        if pre.load is not None:
-            pre.load.release()
-            pre.metrics.tier_load_s = pre.load.load.copy_seconds
-            pre.metrics.tier_load_wait_s = pre.load.load.waited_seconds
-            pre.load = None
-        loaded, pre.loaded = pre.loaded, {}
-        return loaded
-
     def discard_prepared(self, pre: Prepared) -> None:
         """Drop a prepared request whose forward step did not complete (its adopted prefix stays)."""
-        self._return_loaded(self._finish_load(pre), pre.namespace)
+        self.tiers.give_back(self.tiers.finish_load(pre), pre.namespace)
         self.discard(pre.seq, table_from=pre.plan.prefix_tokens // self.pool.block_size, hashed=pre.hashed)
 
     def discard(self, seq: int, *, table_from: int, hashed: bool) -> None:
@@ -940,7 +595,7 @@ class Executor:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        self.vit_store.check_invariants()
+        self.vit.check_invariants()
         self.image_kv_store.check_invariants()
 
 

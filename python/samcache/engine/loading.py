@@ -10,9 +10,9 @@ import json
 import pathlib
 
 import torch
-import xxhash
 
 from samcache.families import FAMILIES
+from samcache.model_identity import model_fingerprint  # re-exported: samcache.engine.model_fingerprint
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -45,21 +45,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     return dtype
-
-
-def model_fingerprint(model_path: str | pathlib.Path) -> str:
-    """A model id from the checkpoint's config and a sample of its weight bytes: two checkpoints
-    with the same config but other weights (another seed, a fine-tune) get different ids."""
-    path = pathlib.Path(model_path)
-    h = xxhash.xxh3_64((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with open(f, "rb") as fh:  # 64 chunks of 64 KiB spread over the file
-            for i in range(64):
-                fh.seek(size * i // 64)
-                h.update(fh.read(65536))
-    return f"{path.name}:{h.hexdigest()}"
 
 
 _NO_VIDEO_CLASSES: dict[str, type] = {}

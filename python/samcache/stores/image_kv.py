@@ -11,7 +11,7 @@ blocks if they are cached there too). Reuse reads the KV from those blocks
 
 With lower tiers (:class:`samcache.tiers.LowerTiers`), an entry the store lets go is first copied
 out of its blocks and demoted (host memory, then disk) instead of lost; a turn that finds it
-there loads it straight into its own sequence, layer by layer (``samcache.engine.executor.TierLoad``),
+there loads it straight into its own sequence, layer by layer (``samcache.engine.tier_io.TierLoad``),
 and the store holds it again from that sequence's blocks after the turn. A turn pins the images it reuses (:meth:`pin`) so making
 room for its own blocks can never evict them between lookup and splice.
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from samcache.hashing import ContentHash, hash_bytes
+from samcache.model_identity import model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -64,20 +65,36 @@ def image_refs(mm_inputs: Any, within: tuple[int, int] | None = None) -> list[Im
     return refs
 
 
-def model_fingerprint(model: Any, dtype: torch.dtype) -> str:
-    """What an image's KV depends on besides its pixels: the checkpoint (SGLang's ``--model-path``
-    and revision), the model class, the config's name and the dtype. (Qwen3-VL-MoE's
-    ``model.config`` is its text config, without a name: the server's arguments name the model.)"""
+def model_id(model: Any, dtype: torch.dtype) -> str:
+    """The model part of the image store's keys (:func:`samcache.model_identity.model_fingerprint`):
+    the checkpoint (SGLang's ``--model-path`` and revision), the model class, the config's name and
+    the dtype. (Qwen3-VL-MoE's ``model.config`` is its text config, without a name: the server's
+    arguments name the model.)"""
+    args = _server_args()
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or ""
+    return model_fingerprint(getattr(args, "model_path", None) or name or type(model).__name__, runtime="sglang",
+                             revision=getattr(args, "revision", None), config=name, model_class=type(model).__name__,
+                             dtype=dtype)
+
+
+def server_model_id(ctx: Any) -> str:
+    """The model part of the radix tree's keys, from SGLang's cache-factory context: checkpoint,
+    revision, dtype, architecture and KV dtype (KV from another of these is never reused)."""
+    mc, sa = ctx.model_config, ctx.server_args
+    archs = ",".join(getattr(getattr(mc, "hf_config", None), "architectures", None) or [])
+    return model_fingerprint(str(getattr(mc, "model_path", None)), runtime="sglang", revision=getattr(mc, "revision", None),
+                             dtype=getattr(mc, "dtype", None), architectures=archs,
+                             kv_dtype=getattr(sa, "kv_cache_dtype", None))
+
+
+def _server_args() -> Any:
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        args = get_server_args()
-        checkpoint = f"{getattr(args, 'model_path', '')}@{getattr(args, 'revision', None)}"
+        return get_server_args()
     except Exception:  # noqa: BLE001 - no server context (tools, tests): the config names the model
-        checkpoint = ""
-    config = getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", "") or ""
-    return f"sglang|{checkpoint}|{name}|{type(model).__name__}|{dtype}"
+        return None
 
 
-__all__ = ["ImageRef", "image_refs", "model_fingerprint"]
+__all__ = ["ImageRef", "image_refs", "model_id", "server_model_id"]

@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from samcache.hashing import ContentKey, Namespace, hash_bytes, hash_image
+from samcache.integrations.sglang.identity import server_model_id
 
 BACKEND_NAME = "samcache"
 _SCOPE_PREFIX = "samcache:"  # scoped extra_key: "samcache:<namespace hex>[:<request extra_key>]"
@@ -422,18 +423,6 @@ class SamcacheRadixCache(RadixCache):
 # factory
 
 
-def model_fingerprint(ctx: Any) -> str:
-    """What a cached KV depends on besides the tokens: checkpoint, revision, dtype, architecture
-    and KV dtype (KV from another of these is never reused)."""
-    mc, sa = ctx.model_config, ctx.server_args
-    hf = getattr(mc, "hf_config", None)
-    archs = ",".join(getattr(hf, "architectures", None) or [])
-    return (
-        f"sglang|{getattr(mc, 'model_path', None)}|{getattr(mc, 'revision', None)}|{getattr(mc, 'dtype', None)}"
-        f"|{archs}|{getattr(sa, 'kv_cache_dtype', None)}"
-    )
-
-
 def make_radix_cache(ctx: Any) -> SamcacheRadixCache:
     """SGLang radix-cache factory (``register_radix_cache_backend(BACKEND_NAME, make_radix_cache)``).
 
@@ -459,4 +448,4 @@ def make_radix_cache(ctx: Any) -> SamcacheRadixCache:
     params = ctx.params
     if getattr(ctx, "disable_radix_cache", False):
         params.disable = True
-    return SamcacheRadixCache(params, model_id=model_fingerprint(ctx))
+    return SamcacheRadixCache(params, model_id=server_model_id(ctx))

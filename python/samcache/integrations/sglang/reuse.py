@@ -23,7 +23,7 @@ from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import Rotary
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.sglang.attention import SamcacheAttnBackend
-from samcache.integrations.sglang.identity import image_refs, model_fingerprint
+from samcache.integrations.sglang.identity import image_refs, model_id
 from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.sglang.step import PoolWriter, ReuseStats, SglangStep, plan_step, save_images
 
@@ -156,7 +156,7 @@ class ModelReuse:
         self.store = store if store is not None else _process_store()
         self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype
-        self.model_id = model_fingerprint(model, dtype)
+        self.model_id = model_id(model, dtype)
         self._warned = False
 
     def namespace_of(self, forward_batch: Any):

@@ -42,7 +42,7 @@ from samcache.integrations.vllm import metrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
 from samcache.hashing import Namespace
 from samcache.integrations.store_policy import StorePolicy
-from samcache.integrations.vllm.identity import model_fingerprint
+from samcache.integrations.vllm.identity import model_id
 from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
                                              plan_forward, request_images)
 from samcache.reuse import RecomputeBudget, image_key
@@ -95,7 +95,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = SamcacheVllmConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         check_engine_config(vllm_config)
-        self.model_id = model_fingerprint(vllm_config)
+        self.model_id = model_id(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self._tracked: dict[str, _Tracked] = {}
             self._tenants: dict[str, str] = {}

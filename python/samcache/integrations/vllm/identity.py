@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from samcache.hashing import ContentHash, ContentKey, Namespace, hash_bytes
+from samcache.model_identity import model_fingerprint
 
 PREFIX = "samcache:"
 
@@ -41,12 +42,14 @@ def store_key(identifier: str, namespace: Namespace) -> ContentKey | None:
     return None if content is None else namespace.key(content)
 
 
-def model_fingerprint(vllm_config: Any) -> str:
-    """What the KV of an image depends on besides its pixels: the checkpoint, its revision, the
-    dtype and the architecture (KV from another of these is never reused)."""
+def model_id(vllm_config: Any) -> str:
+    """The model part of the store's keys (:func:`samcache.model_identity.model_fingerprint`): the
+    checkpoint, its revision, the dtype, the architecture and the KV dtype (KV from another of
+    these is never reused)."""
     m = vllm_config.model_config
     archs = ",".join(getattr(m.hf_config, "architectures", None) or [])
-    return f"vllm|{m.model}|{m.revision}|{m.dtype}|{archs}|{vllm_config.cache_config.cache_dtype}"
+    return model_fingerprint(m.model, runtime="vllm", revision=m.revision, dtype=m.dtype, architectures=archs,
+                             kv_dtype=vllm_config.cache_config.cache_dtype)
 
 
 def make_processor_class(base: type) -> type:
