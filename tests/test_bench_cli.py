@@ -166,7 +166,8 @@ def test_bench_builds_a_model_when_none_is_given_and_deletes_it(tmp_path, capsys
     shutil.rmtree(kept.parent)
 
 
-def test_bench_refuses_unknown_modes_and_scenarios(model, capsys):
+def test_bench_refuses_unknown_modes_and_scenarios(model, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out (bench/out/SCENARIO) is checked before the other arguments
     assert main(["bench", "--scenario", "gui", "--modes", "prefix,turbo", "--model", str(model)]) == 2
     assert "unknown mode(s) turbo; choose from baseline, prefix, samcache" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -158,6 +158,9 @@ def setup_sglang(master_port: int = 29651) -> None:
                 pp_size=1,
                 device="cpu",
                 attention_backend="torch_native",
+                # The harness runs forwards without a prefix tree (the radix tests build their own):
+                # nothing here could serve a splice's approximate KV as exact.
+                disable_radix_cache=True,
             ),
             role="test",
             ranks=SpawnRanks(world_rank=0),

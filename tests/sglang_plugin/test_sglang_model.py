@@ -342,3 +342,61 @@ def test_an_image_the_prefix_holds_in_part_is_spliced_from_its_first_uncached_to
     assert s.computed_tokens == s.prompt_tokens - tail  # the tail's rows were skipped, not computed
     want = run(stock, None)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_splice_marks_the_request_with_its_exact_tokens(arch):
+    """The batch hook hands the step its requests; a step that splices at recompute < 1 marks the
+    request with its leading exact tokens (the tree keeps no more of it); a step that splices
+    nothing leaves it unmarked."""
+    import types
+
+    from samcache.integrations import sglang as plugin
+    from samcache.integrations.sglang.exactness import exact_tokens
+
+    config = arch[0]
+    model = _override(arch, ReuseSettings(recompute_ratio=0.05))
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
+    reqs = {}
+    for name, prompt in (("first", first), ("second", second)):
+        pools = H.Pools.for_model(model, backend_factory=SamcacheAttnBackend)
+        req = H.Request.create(model, pools, *prompt)
+        reqs[name] = types.SimpleNamespace(rid=name, routing_key=None, extra_key=None, cache_salt=None)
+        batch = types.SimpleNamespace(reqs=[reqs[name]])
+        H.run_batch(model, pools, [req.extend()], capture_full_hidden=False,
+                    after_init=lambda fb: plugin._record_extra_keys(fb, object, batch))
+    assert exact_tokens(reqs["first"]) is None  # computed whole: exact
+    first_image = second[1][0].offsets[0][0]
+    assert exact_tokens(reqs["second"]) == first_image  # approximate from the first spliced token
+
+
+def test_with_another_prefix_tree_the_override_splices_nothing(arch, monkeypatch, caplog):
+    """Inside a server whose prefix tree is not samcache's, spliced KV would be served as exact: the
+    override computes every image as SGLang does (and says so once)."""
+    import samcache.integrations.sglang.reuse as reuse
+
+    monkeypatch.setattr(reuse, "tree_keeps_approximate_out", lambda: False)
+    config, stock = arch[0], arch[1]
+    model = _override(arch, ReuseSettings(recompute_ratio=0.05))
+    first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
+    reuse.reset_stats()
+    with caplog.at_level("WARNING", logger="sglang.samcache"):
+        _run(model, first, SamcacheAttnBackend)
+        got, _, _ = _run(model, second, SamcacheAttnBackend)
+    want, _, _ = _run(stock, second)
+    assert len(model._samcache_reuse.store) == 0 and reuse.stats().image_reused_tokens == 0
+    torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
+    assert sum("would serve spliced, approximate KV as exact" in r.message for r in caplog.records) == 1
+
+
+def test_the_tree_check_reads_the_servers_memory_settings(arch, monkeypatch):
+    import types
+
+    import sglang.srt.runtime_context as runtime_context
+
+    from samcache.integrations.sglang.exactness import tree_keeps_approximate_out
+
+    assert tree_keeps_approximate_out() is True  # the harness's server runs without a prefix tree
+    for disabled, backend, safe in ((False, None, False), (False, "samcache", True), (True, None, True)):
+        memory = types.SimpleNamespace(disable_radix_cache=disabled, radix_cache_backend=backend)
+        monkeypatch.setattr(runtime_context, "get_memory", lambda: memory)
+        assert tree_keeps_approximate_out() is safe, (disabled, backend)

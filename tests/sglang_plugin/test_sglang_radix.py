@@ -656,3 +656,45 @@ def test_checkpoint_of_a_running_request(pools):
     finish_request(cache, pools, req)
     assert match(cache, tokens, cache_salt="acme").device_prefix_len == 40
     assert pools.alloc.available_size() + cache.total_size() == 512
+
+
+def test_approximate_kv_enters_the_tree_only_up_to_the_exact_tokens(pools):
+    """A request the model override marked (a splice left its KV approximate from token 12 on): the
+    tree keeps its first 12 tokens only; the rest goes back to the pool. An identical re-send then
+    matches those 12 and computes the rest, whose exact KV the tree takes in their place."""
+    from samcache.integrations.sglang.exactness import exact_tokens, mark
+
+    cache = make_cache(pools)
+    tokens = list(range(300, 340))
+    first = start_request(cache, pools, tokens, "spliced")
+    spliced_slots = request_slots(pools, first)
+    mark(first, 20)
+    mark(first, 12)  # a later chunk's splice: the smaller bound holds
+    assert exact_tokens(first) == 12
+    first.refresh_fill_ids()
+    cache.checkpoint(first, up_to=30)  # a running request's chunk, checkpointed
+    assert first.kv.cache_protected_len == 12 and match(cache, tokens).device_prefix_len == 12
+    finish_request(cache, pools, first)
+    assert match(cache, tokens).device_prefix_len == 12
+    assert matched_indices(cache, tokens) == spliced_slots[:12].tolist()
+    assert pools.alloc.available_size() + cache.total_size() == 512  # the approximate slots went back
+    again = start_request(cache, pools, tokens, "re-send")  # not marked: computed exactly
+    assert again.prefix_len == 12
+    fresh = request_slots(pools, again)[12:].tolist()
+    finish_request(cache, pools, again)
+    assert match(cache, tokens).device_prefix_len == 40
+    assert matched_indices(cache, tokens)[12:] == fresh  # the tree holds the re-send's exact KV
+    assert pools.alloc.available_size() + cache.total_size() == 512
+
+
+def test_an_unmarked_request_enters_the_tree_whole_and_marks_are_checked(pools):
+    from samcache.integrations.sglang.exactness import mark
+
+    cache = make_cache(pools)
+    tokens = list(range(400, 424))
+    req = start_request(cache, pools, tokens, "exact")
+    finish_request(cache, pools, req)
+    assert match(cache, tokens).device_prefix_len == 24
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="exact_tokens must be an int >= 0"):
+            mark(req, bad)

@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 import os
 
+from samcache.integrations.sglang.exactness import BACKEND_NAME
+
 logger = logging.getLogger("sglang.samcache")
 
-BACKEND_NAME = "samcache"
 # The SGLang releases whose classes the plugin is tested against (its plug points move between
 # minor versions): [MIN, MAX_EXCLUSIVE).
 SUPPORTED_SGLANG = ("0.5.23", "0.6")
@@ -58,13 +59,15 @@ def check_version(version: str) -> None:
 def _record_extra_keys(forward_batch, *args, **kwargs):
     """AFTER hook of ``ForwardBatch.init_new``: keep each request's isolation keys (SGLang's
     ``extra_key`` and ``cache_salt``): together with the configured tenant, its tenant; and its id
-    and ``routing_key`` (the agent it names, for the store's eviction policy)."""
+    and ``routing_key`` (the agent it names, for the store's eviction policy); and the requests
+    themselves (:func:`samcache.integrations.sglang.exactness.mark_batch`)."""
     batch = next((a for a in args if hasattr(a, "reqs")), kwargs.get("batch"))
     reqs = getattr(batch, "reqs", None)
     if forward_batch is not None and reqs is not None:
         forward_batch.samcache_extra_keys = [(getattr(r, "extra_key", None), getattr(r, "cache_salt", None))
                                              for r in reqs]
         forward_batch.samcache_agents = [(getattr(r, "rid", None), getattr(r, "routing_key", None)) for r in reqs]
+        forward_batch.samcache_reqs = list(reqs)  # to mark those whose KV a splice leaves approximate
     return forward_batch
 
 

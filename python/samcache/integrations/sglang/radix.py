@@ -47,9 +47,9 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from samcache.hashing import ContentKey, Namespace, hash_bytes, hash_image
+from samcache.integrations.sglang.exactness import BACKEND_NAME, exact_tokens
 from samcache.integrations.sglang.identity import server_model_id
 
-BACKEND_NAME = "samcache"
 _SCOPE_PREFIX = "samcache:"  # scoped extra_key: "samcache:<namespace hex>[:<request extra_key>]"
 _NS_HEX_LEN = 32
 _IDENTITY_TAG = b"samcache/sglang-identity/v1\0"
@@ -269,11 +269,15 @@ class SamcacheRadixCache(RadixCache):
         self._annotate_path(result.last_device_node)
         return result
 
-    def _insert_cache(self, req, token_ids, **kwargs):
+    def _insert_cache(self, req, token_ids, *, key_limit=None, **kwargs):
         # checkpoint() inserts a running/finished request here: learn its images first, so the
         # nodes it creates record their content keys.
         self.register_request_images(req)
-        return super()._insert_cache(req, token_ids, **kwargs)
+        exact = exact_tokens(req)
+        if exact is not None:  # spliced KV from there on: only the exact pages enter the tree
+            limit = max(exact // self.page_size * self.page_size, req.kv.cache_protected_len)
+            key_limit = limit if key_limit is None else min(key_limit, limit)
+        return super()._insert_cache(req, token_ids, key_limit=key_limit, **kwargs)
 
     # -- image records ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import Rotary
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.sglang.attention import SamcacheAttnBackend
+from samcache.integrations.sglang.exactness import tree_keeps_approximate_out
 from samcache.integrations.sglang.identity import image_refs, model_id
 from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.sglang.step import PoolWriter, ReuseStats, SglangStep, plan_step, save_images
@@ -157,7 +158,8 @@ class ModelReuse:
         self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype
         self.model_id = model_id(model, dtype)
-        self._warned = False
+        self._tree_safe = tree_keeps_approximate_out()  # None outside a server: tools and tests
+        self._warned = self._warned_tree = False
 
     def namespace_of(self, forward_batch: Any):
         """The namespace of each request: the model and its tenant (the configured tenant with the
@@ -196,6 +198,13 @@ class ModelReuse:
             return None
         if any(lora is not None for lora in (forward_batch.lora_ids or ())):
             return None  # an adapter changes an image's KV, and its token segments cannot be subset
+        if self._tree_safe is False:
+            if not self._warned_tree:
+                logger.warning("samcache: this server's prefix cache is not samcache's (--radix-cache-backend "
+                               "samcache) and would serve spliced, approximate KV as exact: images are computed as "
+                               "SGLang computes them")
+                self._warned_tree = True
+            return None
         backend = get_attn_backend()
         if not isinstance(backend, SamcacheAttnBackend):
             if not self._warned:

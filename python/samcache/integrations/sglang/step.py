@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import PendingSave, RequestImage, Rotary, StepPlan, layer_rows
+from samcache.integrations.sglang.exactness import mark_batch
 from samcache.integrations.sglang.identity import image_refs
 from samcache.reuse import RecomputeBudget, ReuseCounters
 
@@ -110,7 +111,8 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
                   for ref in image_refs(inputs, within=(begin, end))]
         plan.add_request(images, begin=begin, end=end, base=base, namespace=namespace_of(b), store=store,
                          budget=budget, keep_image_order=keep_image_order, positions=positions, slots=slots,
-                         cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]))
+                         cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]), owner=b)
+    mark_batch(forward_batch, plan.approximate)  # their KV past the exact tokens stays out of the tree
     stats, saves, skipped = plan.counters, plan.saves, plan.skipped
     stats.images_saved = len(saves)
     recompute = plan.recompute
