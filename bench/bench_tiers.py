@@ -35,7 +35,7 @@ import torch
 
 from samcache.engine import SAMcacheEngine
 from samcache.random_checkpoints import build_preset
-from samcache.workloads import make_trace
+from samcache.bench.workloads import make_trace
 
 
 def _engine(model, args, **kw) -> SAMcacheEngine:
@@ -180,8 +180,8 @@ def main() -> None:
 def run_shared(model, trace, device_bytes, args, work) -> dict:
     """Two engines take the turns in turn (even / odd), each alone, then over one Mooncake store
     (lossless there, so the comparison is about reuse only)."""
-    from samcache.tiers import MooncakeStore
-    from samcache.tiers.mooncake_local import LocalMooncakeMaster
+    from samcache.cache.tiers import MooncakeStore
+    from samcache.cache.tiers.mooncake_local import LocalMooncakeMaster
 
     halves = [trace.turns[0::2], trace.turns[1::2]]
     # The bar's reference: one warm instance serving every turn, keeping what falls out of its

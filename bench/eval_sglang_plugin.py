@@ -48,9 +48,9 @@ CHECKPOINT = ROOT / "python" / "samcache" / "tasks" / "checkpoints" / "visual-qa
 def prompts_and_engine_tokens(args, settings) -> dict:
     """Part 1: the prompts of every turn and the engine's reply at both settings (``settings``:
     the plugin's, whose recompute method the engine runs too)."""
-    from samcache.benchmark import mode_engine_kwargs
+    from samcache.bench.benchmark import mode_engine_kwargs
     from samcache.engine.api import SAMcacheEngine
-    from samcache.eval.task_accuracy import training_defaults
+    from samcache.bench.task_accuracy import training_defaults
     from samcache.tasks import visual_qa
     from tqdm import tqdm
 
@@ -116,7 +116,7 @@ def sglang_tokens(data: dict, threads: int) -> list[dict]:
     from samcache.integrations.sglang.attention import SamcacheAttnBackend
     from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Override
     from samcache.integrations.sglang.reuse import ModelReuse, reset_stats, stats
-    from samcache.stores import TensorStore
+    from samcache.cache.stores import TensorStore
 
     torch.set_num_threads(threads)
     with socket.socket() as free:  # its own rendezvous port: the plugin tests may run beside it

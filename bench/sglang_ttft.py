@@ -59,7 +59,7 @@ def png_data_url(pixels) -> str:
 
 def openai_messages(turn) -> list[dict]:
     """A samcache trace turn as OpenAI chat messages (images as PNG data URLs)."""
-    from samcache.workloads import materialize
+    from samcache.bench.workloads import materialize
 
     out = []
     for m in turn.messages:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    from samcache.workloads import make_trace
+    from samcache.bench.workloads import make_trace
 
     params = {"turns": args.turns} if args.scenario in ("gui", "docs", "chat") else {}
     trace = make_trace(args.scenario, seed=args.seed, **params)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from samcache.agent import ContextTree
-from samcache.block_pool import BlockPool
+from samcache.cache.block_pool import BlockPool
 
 BS = 16
 

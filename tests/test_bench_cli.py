@@ -10,10 +10,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from samcache.benchmark import MODES, parse_modes, run_benchmark  # noqa: E402
+from samcache.bench.benchmark import MODES, parse_modes, run_benchmark  # noqa: E402
 from samcache.cli import main  # noqa: E402
-from samcache.report import write_report  # noqa: E402
-from samcache.workloads import make_trace  # noqa: E402
+from samcache.bench.report import write_report  # noqa: E402
+from samcache.bench.workloads import make_trace  # noqa: E402
 
 SMALL = ["--image-size", "112", "168"]
 
@@ -68,7 +68,7 @@ def test_every_mode_runs_a_three_turn_trace(results):
 
 
 def test_summarize_from_known_records():
-    from samcache.benchmark import summarize
+    from samcache.bench.benchmark import summarize
 
     def rec(ttft, **kw):
         base = dict(ttft_s=ttft, latency_s=2 * ttft, prompt_tokens=100, prefilled_tokens=40, prefix_reused_tokens=32,
@@ -164,6 +164,21 @@ def test_bench_builds_a_model_when_none_is_given_and_deletes_it(tmp_path, capsys
     kept = pathlib.Path(capsys.readouterr().err.split("checkpoint (tiny) in ")[1].split()[0])
     assert (kept / "config.json").exists()
     shutil.rmtree(kept.parent)
+    # The results name the checkpoint built in a temporary folder without this machine's path.
+    written = (tmp_path / "results.json").read_text() + (tmp_path / "report.md").read_text()
+    assert f"$TMPDIR/{built.parent.name}/qwen2_5_vl" in written and str(built.parent) not in written
+
+
+def test_results_name_no_path_of_this_machine():
+    from samcache.bench.report import portable
+
+    results = {"model_path": "/scratch/tmpx/run/qwen2_5_vl", "runs": [{"python": "/home/u/repo/.venv/bin/python",
+                                                                     "n": 3, "ok": ("/home/u/repo", "/elsewhere")}]}
+    out = portable(results, roots=("/home/u/repo", "/scratch/tmpx"))
+    assert out == {"model_path": "$TMPDIR/run/qwen2_5_vl",
+                   "runs": [{"python": ".venv/bin/python", "n": 3, "ok": ("/home/u/repo", "/elsewhere")}]}
+    # A checkout inside the temporary folder is the working folder, not a temporary one.
+    assert portable("/scratch/tmpx/repo/bench/out", roots=("/scratch/tmpx/repo", "/scratch/tmpx")) == "bench/out"
 
 
 def test_bench_refuses_unknown_modes_and_scenarios(model, capsys, tmp_path, monkeypatch):
@@ -221,7 +236,7 @@ def test_bench_refuses_unknown_modes_and_scenarios(model, capsys, tmp_path, monk
 
 
 def test_peer_launcher_checks_its_arguments_before_starting_vllm():
-    from samcache.peers.vllm_launcher import PeerUnavailable, find_vllm_python, run_trace
+    from samcache.bench.peers.vllm_launcher import PeerUnavailable, find_vllm_python, run_trace
 
     turns = [[{"role": "user", "content": "hi"}]]
     for kw, match in ((dict(threads=0), "threads must be an int >= 1"), (dict(dtype="fp8"), "dtype must be one of"),
@@ -239,7 +254,7 @@ def test_peer_launcher_checks_its_arguments_before_starting_vllm():
 
 
 def test_peer_launcher_hands_vllm_an_absolute_checkpoint_path(tmp_path, monkeypatch):
-    from samcache.peers.vllm_launcher import checkpoint_dir
+    from samcache.bench.peers.vllm_launcher import checkpoint_dir
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
@@ -252,7 +267,7 @@ def test_peer_launcher_hands_vllm_an_absolute_checkpoint_path(tmp_path, monkeypa
 
 
 def test_compression_sweep_runs_every_mode_per_keep_ratio(tiny_checkpoints, tmp_path):
-    from samcache.benchmark import parse_keeps
+    from samcache.bench.benchmark import parse_keeps
 
     trace = make_trace("gui", turns=3, window=2, size=(112, 168), max_new_tokens=2)
     res = run_benchmark(trace, tiny_checkpoints["qwen3_vl_moe"], modes=["baseline", "samcache"],

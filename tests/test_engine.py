@@ -20,7 +20,7 @@ from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.engine.calibration import Calibrator  # noqa: E402
 from samcache.recompute import SensitivityCurves, solve_layer_budget  # noqa: E402
 from samcache.engine.executor import RequestOptions  # noqa: E402
-from samcache.eval import greedy_decode, reference_prefill  # noqa: E402
+from samcache.engine.fidelity import greedy_decode, reference_prefill  # noqa: E402
 from samcache.random_checkpoints import FAMILIES, build_tiny_model  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402

@@ -306,7 +306,7 @@ def test_a_stage_moves_the_kv_layers_already_hold_to_their_compacted_slots(plain
     position a layer still holds has, at its new slot, the KV it had at its old one."""
     from types import SimpleNamespace
 
-    from samcache.block_pool import slot_ids
+    from samcache.cache.block_pool import slot_ids
 
     runner, pool = plain.runner, plain.pool
     n, layers, bs = 70, runner.num_layers, pool.block_size

@@ -15,8 +15,8 @@ from samcache import Namespace, hash_bytes  # noqa: E402
 from samcache.engine.images import PreparedImage  # noqa: E402
 from samcache.engine.prompt import build_prompt, image_positions  # noqa: E402
 from samcache.engine.sampling import Sampler  # noqa: E402
-from samcache.block_pool import BlockPool  # noqa: E402
-from samcache.stores import ImageKVStore, TensorStore  # noqa: E402
+from samcache.cache.block_pool import BlockPool  # noqa: E402
+from samcache.cache.stores import ImageKVStore, TensorStore  # noqa: E402
 
 NS = Namespace("test-model")
 
@@ -180,8 +180,8 @@ def test_long_vision_attention_goes_through_the_kernel_and_matches_sdpa(monkeypa
 
 
 def test_runtime_code_never_imports_the_test_fixture_builders():
-    code = ("import sys, samcache.engine, samcache.reuse, samcache.stores, samcache.eval, samcache.benchmark, "
-            "samcache.peers.vllm_launcher, samcache.integrations.vllm.step; print(sorted(m for m in sys.modules if m.startswith('samcache.random_checkpoints')))")
+    code = ("import sys, samcache.engine, samcache.reuse, samcache.cache.stores, samcache.bench.task_accuracy, samcache.bench.benchmark, "
+            "samcache.bench.peers.vllm_launcher, samcache.integrations.vllm.step; print(sorted(m for m in sys.modules if m.startswith('samcache.random_checkpoints')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from samcache.block_pool import slot_ids
+from samcache.cache.block_pool import slot_ids
 from samcache.engine.prompt import user_message
 from samcache.engine.fidelity import reference_prefill
 from samcache.hashing import Namespace
@@ -159,3 +159,20 @@ def test_the_engine_plans_through_the_shared_per_request_path(model, monkeypatch
     engine.chat(messages=turn("One.", [a, b]), max_new_tokens=1)
     r = engine.chat(messages=turn("Two.", [b, a]), max_new_tokens=1)
     assert calls == [True, True] and r.metrics.image_kv_hits == 2
+
+
+def test_the_forward_refuses_a_plan_whose_declared_second_phase_is_not_done(model):
+    from dataclasses import replace
+
+    engine = make_engine(model, recompute_ratio=0.3, recompute_method="two-track", keep_image_order=False)
+    a, b = shots(1, 2)
+    engine.chat(messages=turn("You operate a computer.", [a, b]), max_new_tokens=1)
+    prompt = engine.build_prompt(turn("You operate a computer. Step 2.", [b, a]))
+    pre = engine.executor.prepare(prompt, Namespace(engine.model_id), engine.request_options())
+    assert not pre.plan.needs_scores and pre.plan.recompute is not None  # prepare completed it
+    incomplete = replace(pre.plan, needs_scores=True)
+    table = engine.pool.block_table(pre.seq)
+    with pytest.raises(RuntimeError, match="reuse plan is incomplete"):
+        engine.executor.sequence_step(prompt, incomplete, table, pre.vit)
+    engine.executor.sequence_step(prompt, pre.plan, table, pre.vit)  # the complete one runs
+    engine.executor.discard_prepared(pre)

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 from samcache.engine import screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
-from samcache.tiers import DiskTier, LowerTiers  # noqa: E402
-from samcache.tiers.transfer import LayerLoad  # noqa: E402
+from samcache.cache.tiers import DiskTier, LowerTiers  # noqa: E402
+from samcache.cache.tiers.transfer import LayerLoad  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
@@ -441,7 +441,7 @@ def _pixels(engine, image):
 def test_a_full_disk_drops_the_item_cleanly(tmp_path, monkeypatch):
     import errno
 
-    import samcache.tiers.disk as disk_module
+    import samcache.cache.tiers.disk as disk_module
 
     ns = Namespace("m", "t")
     key = ns.key(hash_bytes(b"x"))
@@ -518,7 +518,7 @@ def test_publishing_runs_beside_the_turn_and_flush_waits_for_it():
     the publisher thread, flush waits for it, and the item read back is what was published."""
     import threading
 
-    from samcache.tiers import RemoteStore, RemoteTier
+    from samcache.cache.tiers import RemoteStore, RemoteTier
 
     gate = threading.Event()
 
@@ -560,7 +560,7 @@ class _MemoryStore:
     every call fail as an unreachable store does."""
 
     def __new__(cls):
-        from samcache.tiers import RemoteStore, RemoteStoreError
+        from samcache.cache.tiers import RemoteStore, RemoteStoreError
 
         class Store(RemoteStore):
             def __init__(self):
@@ -593,8 +593,8 @@ class _MemoryStore:
 def test_a_failed_publish_is_offered_again_and_a_missing_item_is_looked_up_once(tmp_path):
     import warnings
 
-    from samcache.tiers import RemoteTier
-    from samcache.tiers.prefix import PrefixTier
+    from samcache.cache.tiers import RemoteTier
+    from samcache.cache.tiers.prefix import PrefixTier
 
     store = _MemoryStore()
     ns = Namespace("m", "t")

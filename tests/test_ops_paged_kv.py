@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from samcache import BlockPool
+from samcache import BlockPool, _C
 from samcache.ops import copy_blocks, paged_gather, paged_write, swap_blocks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -178,7 +178,21 @@ def test_swap_blocks_within_one_tensor():
     assert_same(cache, want)
 
 
-def test_large_inputs_take_the_parallel_paths():
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    _C.parallel_stats(reset=True)
+    yield
+    torch.set_num_threads(before)
+
+
+def ran_in_parallel():
+    tasks, threads = _C.parallel_stats(reset=True)
+    return tasks > 1 and threads == 2
+
+
+def test_large_inputs_take_the_parallel_paths(two_threads):
     g = torch.Generator().manual_seed(0)
     shape = (64, 16, 8, 64)  # 2 KiB token rows: many parallel tasks per op
     key_cache = torch.full(shape, float("nan"))
@@ -187,10 +201,12 @@ def test_large_inputs_take_the_parallel_paths():
     key, value = torch.randn(700, 8, 64, generator=g), torch.randn(700, 8, 64, generator=g)
     want_k, want_v = reference_write(key, value, key_cache, value_cache, slots)
     paged_write(key, value, key_cache, value_cache, slots)
+    assert ran_in_parallel()
     assert_same(key_cache, want_k)
     assert_same(value_cache, want_v)
     table = torch.randperm(64, generator=g).to(torch.int32)
     k, v = paged_gather(key_cache, value_cache, table, 1000)
+    assert ran_in_parallel()
     want_k, want_v = reference_gather(key_cache, value_cache, table, 1000)
     assert_same(k, want_k)
     assert_same(v, want_v)
@@ -198,7 +214,16 @@ def test_large_inputs_take_the_parallel_paths():
     pairs = torch.stack([torch.arange(64), torch.randperm(80, generator=g)[:64]], 1)
     want = reference_swap(key_cache, host, pairs)
     swap_blocks(key_cache, host, pairs)
+    assert ran_in_parallel()
     assert_same(host, want)
+
+
+def test_small_inputs_stay_on_one_task(two_threads):
+    # The counter the test above reads can say no: a copy smaller than one task's share.
+    key_cache = torch.zeros(4, 4, 1, 8)
+    paged_write(torch.ones(3, 1, 8), torch.ones(3, 1, 8), key_cache, torch.zeros_like(key_cache),
+                torch.tensor([0, 5, 9]))
+    assert _C.parallel_stats(reset=True) == (1, 1)
 
 
 # ---- the BlockPool contract -------------------------------------------------------------------

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from samcache.benchmark import run_benchmark  # noqa: E402
+from samcache.bench.benchmark import run_benchmark  # noqa: E402
 from samcache.engine import SAMcacheEngine  # noqa: E402
-from samcache.peers.vllm_launcher import PeerUnavailable, find_vllm_python  # noqa: E402
-from samcache.workloads import make_trace  # noqa: E402
+from samcache.bench.peers.vllm_launcher import PeerUnavailable, find_vllm_python  # noqa: E402
+from samcache.bench.workloads import make_trace  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_bench_engine_vllm_runs_vanilla_vllm_against_vllm_with_samcaches_plugin(
 
 
 def test_the_plugin_mode_needs_samcache_installed_in_vllms_environment(tmp_path):
-    from samcache.peers.vllm_launcher import check_plugin_installed
+    from samcache.bench.peers.vllm_launcher import check_plugin_installed
 
     fake = tmp_path / "python"  # a Python that has neither vLLM nor samcache's plugin
     fake.write_text("#!/bin/sh\nexit 1\n")
@@ -96,7 +96,7 @@ def test_the_plugin_mode_needs_samcache_installed_in_vllms_environment(tmp_path)
 
 
 def test_the_plugin_is_installed_in_vllms_environment(vllm_python):
-    from samcache.peers.vllm_launcher import check_plugin_installed
+    from samcache.bench.peers.vllm_launcher import check_plugin_installed
 
     check_plugin_installed(vllm_python)  # make test installs it (make vllm-plugin)
 
@@ -105,7 +105,7 @@ def test_task_accuracy_through_the_real_vllm_with_and_without_the_plugin(tiny_ch
     """`samcache eval --modes vllm,vllm-samcache`: the traces answered by vLLM itself, scored as the
     engine's turns are; at recompute 1.0 the plugin recomputes every reused token, so its replies
     are vanilla vLLM's, while its counters show the reuse it planned."""
-    from samcache.eval.task_accuracy import evaluate_traces
+    from samcache.bench.task_accuracy import evaluate_traces
     from samcache.tasks import visual_qa
 
     model = tiny_checkpoints["qwen2_5_vl"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from samcache.content_index import ContentIndex
+from samcache.cache.content_index import ContentIndex
 from samcache.hashing import Namespace, hash_bytes
 from samcache.policies import (
     NEVER,

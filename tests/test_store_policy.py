@@ -10,7 +10,7 @@ from samcache.hashing import Namespace, hash_bytes
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.store_policy import StorePolicy
 from samcache.policies import LRUPolicy, Workflow, WorkflowAwarePolicy
-from samcache.stores import TensorStore
+from samcache.cache.stores import TensorStore
 
 TEAM = {"eviction_policy": "workflow", "eviction_options": {"workflows": [{"name": "team", "agents": ["a1", "a2", "a3"]}]}}
 

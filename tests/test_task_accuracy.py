@@ -1,11 +1,11 @@
-"""samcache.eval.task_accuracy on a tiny random checkpoint: every (mode, ratio) run scores every
+"""samcache.bench.task_accuracy on a tiny random checkpoint: every (mode, ratio) run scores every
 turn of the traces against its known answer; bad modes, ratios and traces are refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from samcache.eval.task_accuracy import (
+from samcache.bench.task_accuracy import (
     SCENARIO_KINDS,
     calibration_pairs,
     evaluate_traces,
@@ -86,7 +86,7 @@ def test_refuses_a_bad_keep_image_order_before_any_run(model):
 
 def test_track2_share_sweep_runs_each_share_of_the_two_track_modes(model, monkeypatch):
     from samcache.engine import SAMcacheEngine
-    from samcache.eval.task_accuracy import comparisons
+    from samcache.bench.task_accuracy import comparisons
 
     shares_built = []
     init = SAMcacheEngine.__init__
@@ -272,7 +272,7 @@ def test_paired_difference_counts_turns_each_run_alone_got_right():
 
 
 def test_methods_run_each_recompute_mode_once_per_method_and_count_the_reuse_kept(model, tmp_path):
-    from samcache.eval.task_accuracy import comparisons, frontier_points, plot, reuse_kept
+    from samcache.bench.task_accuracy import comparisons, frontier_points, plot, reuse_kept
 
     traces = [visual_qa.trace(1, scenario="gui", turns=3, window=2)]
     out = evaluate_traces(model, traces, modes=["baseline", "uniform-budget"], recompute=[0.0, 0.5],

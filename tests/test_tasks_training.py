@@ -58,7 +58,7 @@ def test_curriculum_stages():
     assert [config.images_at(s) for s in range(10)] == [1] * 5 + [4] * 5
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=0), dict(vision_steps=-1), dict(answer_weight=0.0),
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(stop_after=0), dict(steps=2, stop_after=3), dict(batch_size=0), dict(vision_steps=-1), dict(answer_weight=0.0),
                                  *([dict(device="cuda")] if not __import__("torch").cuda.is_available() else [])])
 def test_bad_config_is_refused(tmp_path, bad):
     with pytest.raises(ValueError):
@@ -130,6 +130,15 @@ def test_answer_tokens_weigh_more_and_weight_one_is_the_plain_loss(tmp_path):
         inputs = {k: v for k, v in plain.items() if k != "loss_weights"}
         assert torch.allclose(weighted_loss(model, plain), model(**inputs).loss, rtol=1e-5)
         assert not torch.allclose(weighted_loss(model, enc), weighted_loss(model, plain))
+
+
+def test_a_run_stops_part_way_through_its_schedule(tmp_path):
+    small = dict(batch_size=2, eval_every=5, eval_examples=1, warmup=1, size=(84, 84), vision_steps=0,
+                 curriculum=((1, 1.0),), model_sizes=SIZES)
+    report = train(tmp_path, TrainConfig(steps=6, stop_after=2, **small), progress=False)
+    # The last step run is evaluated and written, and no step after it ran.
+    assert [p["step"] for p in report["curve"]] == [2] and report["curve"][0]["examples_seen"] == 4
+    assert (tmp_path / "model.safetensors").exists()
 
 
 def test_a_run_continues_from_an_earlier_one(tmp_path):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from samcache.hashing import Namespace, hash_bytes
-from samcache.tiers import MAGIC, ColdFormatError, DiskTier, ForeignItem, decode, encode, read_header
+from samcache.cache.tiers import MAGIC, ColdFormatError, DiskTier, ForeignItem, decode, encode, read_header
 
 NS = Namespace("tiny-model", tenant="acme")
 KEY = NS.key(hash_bytes(b"image one"))
@@ -173,7 +173,7 @@ def test_disk_tier_faults_on_disk_fall_back_with_a_warning_and_a_counter(tmp_pat
     """Each fault the issue names, made to the files themselves: a truncated file, a file of
     another format version, files swapped between namespaces, a file removed behind the tier.
     Each read is a miss (the caller recomputes), never someone else's or a damaged KV."""
-    from samcache.tiers import cold
+    from samcache.cache.tiers import cold
 
     tier = DiskTier(tmp_path, max_bytes=1 << 22)
     other = Namespace("tiny-model", tenant="globex")
@@ -236,7 +236,7 @@ def test_disk_tier_survives_a_restart_in_recency_order(tmp_path):
 
 
 def test_tensor_items_round_trip_and_refuse_damage():
-    from samcache.tiers.cold import decode_tensors, encode_tensors
+    from samcache.cache.tiers.cold import decode_tensors, encode_tensors
 
     ns, key = Namespace("m", "t"), Namespace("m", "t").key(hash_bytes(b"vit"))
     tensors = [torch.randn(12, 8), torch.randn(12, 8).to(torch.bfloat16), torch.zeros(0, 8)]

@@ -17,8 +17,8 @@ from needs import need_module  # noqa: E402
 need_module("mooncake.store", "make test installs mooncake-transfer-engine-non-cuda (and Debian's libibverbs1)")
 
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
-from samcache.tiers import MooncakeStore, RemoteStoreError, RemoteTier  # noqa: E402
-from samcache.tiers.mooncake_local import LocalMooncakeMaster, free_port  # noqa: E402
+from samcache.cache.tiers import MooncakeStore, RemoteStoreError, RemoteTier  # noqa: E402
+from samcache.cache.tiers.mooncake_local import LocalMooncakeMaster, free_port  # noqa: E402
 
 NS = Namespace("tiny", tenant="acme")
 
@@ -90,7 +90,7 @@ PUBLISHER = textwrap.dedent("""
     import sys
     from samcache.engine import SAMcacheEngine, screenshot
     from samcache.engine.prompt import user_message
-    from samcache.tiers import MooncakeStore
+    from samcache.cache.tiers import MooncakeStore
     model, master, metadata = sys.argv[1:4]
     store = MooncakeStore(master, metadata, segment_bytes=64 << 20, buffer_bytes=32 << 20)
     engine = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=16 << 20,

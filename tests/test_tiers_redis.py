@@ -16,8 +16,8 @@ need_module("redis", "make test installs the redis client")
 need_program("redis-server", "make test installs Debian's redis-server")
 
 from samcache.hashing import Namespace, hash_bytes  # noqa: E402
-from samcache.tiers import RedisStore, RemoteStoreError, RemoteTier  # noqa: E402
-from samcache.tiers.mooncake_local import free_port  # noqa: E402
+from samcache.cache.tiers import RedisStore, RemoteStoreError, RemoteTier  # noqa: E402
+from samcache.cache.tiers.mooncake_local import free_port  # noqa: E402
 
 NS = Namespace("tiny", tenant="acme")
 

@@ -109,7 +109,7 @@ def test_calibration_finds_that_the_trained_model_needs_its_images_in_order():
     tokens of the reply (run 24: 120 of 127 kept), recomputing everything changes none, so the
     engine keeps images at their own index at 0.05 and not at 1.0; then serves the trace so."""
     from samcache.engine import SAMcacheEngine
-    from samcache.eval.task_accuracy import calibration_pairs, reordered_turns, training_defaults
+    from samcache.bench.task_accuracy import calibration_pairs, reordered_turns, training_defaults
     from samcache.recompute.image_order import MIN_CONFIDENT_TOKENS
     from samcache.tasks import visual_qa
 

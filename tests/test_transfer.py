@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from samcache.tiers.transfer import TransferEngine
+from samcache.cache.tiers.transfer import TransferEngine
 
 
 def _caches(layers, blocks, bs, heads, dim, dtype=torch.float32):

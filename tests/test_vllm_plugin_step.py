@@ -16,7 +16,7 @@ from samcache.integrations.vllm.config import SamcacheVllmConfig
 from samcache.integrations.vllm.identity import content_identifier, store_key
 from samcache.integrations.vllm.step import (ImageKV, ImageRef, RequestStep, Rotary, plan_forward)
 from samcache.reuse import RecomputeBudget
-from samcache.stores import TensorStore
+from samcache.cache.stores import TensorStore
 
 H, D, L, BS = 2, 8, 3, 4
 SECTION = (2, 1, 1)

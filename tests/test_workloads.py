@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from samcache.workloads import SCENARIOS, ImageRef, make_trace, materialize
+from samcache.bench.workloads import SCENARIOS, ImageRef, make_trace, materialize
 
 SMALL = (56, 84)
 

@@ -1,5 +1,5 @@
 // samcache._C: thin pybind11 bindings of the native data structures. The Python classes in
-// samcache/ (block_pool.py, content_index.py) validate and convert arguments, then call these.
+// samcache/cache/ (block_pool.py, content_index.py) validate and convert arguments, then call these.
 // Every call that does native work releases the GIL; outputs are numpy arrays allocated before.
 //
 // The torch.ops.samcache kernels live in the same extension and register themselves at load
@@ -14,6 +14,7 @@
 #include "samcache/block_pool.h"
 #include "samcache/content_index.h"
 #include "samcache/errors.h"
+#include "samcache/parallel_stats.h"
 #include "samcache/transfer_engine.h"
 
 namespace py = pybind11;
@@ -92,6 +93,9 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<CacheFull>(m, "CacheFull", PyExc_RuntimeError);
   py::register_exception<NotFound>(m, "NotFound", PyExc_KeyError);
   py::register_exception<InvariantViolation>(m, "InvariantViolation", PyExc_AssertionError);
+
+  m.def("parallel_stats", &take_parallel_stats, py::arg("reset") = true,
+        "(tasks, distinct threads) the CPU kernels' parallel copy loops ran since the last reset");
 
   py::class_<BlockPool>(m, "BlockPool")
       .def(py::init<int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"))

@@ -5,6 +5,7 @@
 
 #include "index_tensors.h"
 #include "memory_checks.h"
+#include "samcache/parallel_stats.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -223,6 +224,7 @@ void paged_write_cpu(const at::Tensor& key, const at::Tensor& value, const at::T
   const int64_t v_tok = value.stride(0) * es, v_head = value.stride(1) * es;
   const int64_t row = c.row_bytes();
   at::parallel_for(0, plan.num_tokens, grain_for(2 * row), [&](int64_t begin, int64_t end) {
+    note_parallel_task(at::get_thread_num());
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = plan.host_slots[t];
       if (slot < 0) continue;  // padding
@@ -247,6 +249,7 @@ std::tuple<at::Tensor, at::Tensor> paged_gather_cpu(const at::Tensor& key_cache,
   const int64_t bs = c.block_size, block_bytes = bs * row;
   // A block's tokens are contiguous in the cache and in the output: one memcpy per block.
   at::parallel_for(0, plan.blocks_used, grain_for(2 * block_bytes), [&](int64_t begin, int64_t end) {
+    note_parallel_task(at::get_thread_num());
     for (int64_t i = begin; i < end; ++i) {
       const int64_t tokens = std::min(bs, num_tokens - i * bs);
       const int64_t from = plan.host_blocks[i] * block_bytes, to = i * block_bytes;
@@ -268,6 +271,7 @@ void swap_blocks_cpu(const at::Tensor& src, const at::Tensor& dst, const at::Ten
   std::vector<int64_t> run_start(plan.runs.size() + 1, 0);
   for (size_t r = 0; r < plan.runs.size(); ++r) run_start[r + 1] = run_start[r] + plan.runs[r].num_blocks;
   at::parallel_for(0, plan.num_pairs, grain_for(bb), [&](int64_t begin, int64_t end) {
+    note_parallel_task(at::get_thread_num());
     auto r = static_cast<size_t>(std::upper_bound(run_start.begin(), run_start.end(), begin) - run_start.begin() - 1);
     for (int64_t i = begin; i < end; ++r) {
       const BlockRun& run = plan.runs[r];

@@ -9,8 +9,8 @@ import torch  # noqa: F401  # loads libtorch before _C, which links against it
 
 from samcache import _C  # noqa: E402
 from samcache import ops  # noqa: E402  (registers the fake implementations)
-from samcache.block_pool import AppendResult, BlockPool  # noqa: E402
-from samcache.content_index import ContentEntry, ContentIndex, Evicted, PutResult, Tier  # noqa: E402
+from samcache.cache.block_pool import AppendResult, BlockPool  # noqa: E402
+from samcache.cache.content_index import ContentEntry, ContentIndex, Evicted, PutResult, Tier  # noqa: E402
 from samcache.errors import (  # noqa: E402
     CacheFull, ImageLoadError, InvariantViolation, NotFound, OutOfBlocks, PromptTooLong, UnsupportedModel,
 )

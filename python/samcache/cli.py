@@ -24,8 +24,8 @@ from samcache._checks import check_int
 
 
 def _bench(args) -> int:
-    from samcache.benchmark import MODES, parse_keeps, parse_modes, parse_ratios
-    from samcache.workloads import make_trace
+    from samcache.bench.benchmark import MODES, parse_keeps, parse_modes, parse_ratios
+    from samcache.bench.workloads import make_trace
 
     try:
         modes = parse_modes(args.modes or ("vllm,vllm-samcache" if args.engine == "vllm" else "baseline,prefix,samcache"))
@@ -112,8 +112,8 @@ def _bench(args) -> int:
 
 
 def _run(args, trace, model, note, modes, ratios, out) -> int:
-    from samcache.benchmark import run_benchmark
-    from samcache.report import fidelity_cells, ratio_cell, write_report
+    from samcache.bench.benchmark import run_benchmark
+    from samcache.bench.report import fidelity_cells, portable, ratio_cell, write_report
 
     command = "samcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if args.command is None else args.command
     try:
@@ -128,6 +128,7 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, no peer environment, ...
         print(f"samcache bench: {e}", file=sys.stderr)
         return 2
+    results = portable(results)  # committed results name no path of this machine
     (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     report = write_report(results, out)
     prefix = next((r for r in results["runs"] if r["mode"] == "prefix"), None)
@@ -153,7 +154,7 @@ _ORDER_CHOICES = {"auto": "auto", "true": True, "false": False}
 
 
 def _eval(args) -> int:
-    from samcache.eval.task_accuracy import (
+    from samcache.bench.task_accuracy import (
         CALIBRATION_OFFSET,
         check_scenario,
         comparisons,
@@ -218,7 +219,9 @@ def _eval(args) -> int:
         path = pathlib.Path(args.out)
         path.mkdir(parents=True, exist_ok=True)
         out["command"] = "samcache " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
-        (path / "results.json").write_text(json.dumps(out, indent=2, default=str))
+        from samcache.bench.report import portable
+
+        (path / "results.json").write_text(json.dumps(portable(out), indent=2, default=str))
         print(f"wrote {path / 'results.json'}")
         curves = out["sensitivity"]  # reusable: --sensitivity, or SAMcacheEngine(sensitivity=...)
         named = {} if curves is None else ({"sensitivity.json": curves} if "rates" in curves else
@@ -235,7 +238,7 @@ def _eval(args) -> int:
 
 
 def _report(args) -> int:
-    from samcache.report import write_report
+    from samcache.bench.report import write_report
 
     path = pathlib.Path(args.results)
     if path.is_dir():  # the output folder of a run
@@ -251,10 +254,10 @@ def _report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from samcache.benchmark import MODES
-    from samcache.eval.task_accuracy import SCENARIO_KINDS
+    from samcache.bench.benchmark import MODES
+    from samcache.bench.task_accuracy import SCENARIO_KINDS
     from samcache.random_checkpoints import PRESETS
-    from samcache.workloads import SCENARIOS, scenario_parameters
+    from samcache.bench.workloads import SCENARIOS, scenario_parameters
 
     from samcache import __version__
 

@@ -32,7 +32,7 @@ def answers(*, turns: int = 6, window: int = 3, device: str = "cpu", seed: int =
     """The shipped trained model on one held-out GUI trace: samcache (defaults, calibrated on
     another held-out trace) against a full prefill, turn by turn. Returns one row per turn."""
     from samcache.engine import SAMcacheEngine
-    from samcache.eval.task_accuracy import CALIBRATION_OFFSET, calibration_pairs, training_defaults
+    from samcache.bench.task_accuracy import CALIBRATION_OFFSET, calibration_pairs, training_defaults
     from samcache.tasks import visual_qa
     from samcache.tasks.checkpoint import trained_model
 

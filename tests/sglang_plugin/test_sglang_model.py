@@ -19,7 +19,7 @@ from samcache.integrations.sglang.attention import SamcacheAttnBackend
 from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Qwen25Override
 from samcache.integrations.sglang.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration as Qwen3MoeOverride
 from samcache.integrations.sglang.reuse import ModelReuse
-from samcache.stores import TensorStore
+from samcache.cache.stores import TensorStore
 
 GRID_A, GRID_B = (1, 8, 8), (1, 8, 12)  # 16 and 24 image tokens
 

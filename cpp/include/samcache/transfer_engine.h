@@ -4,7 +4,7 @@
 // layers of a job in order and publish its progress, and a caller waits for the one layer it
 // needs (wait), never for the whole transfer. Raw pointers only (no torch here): the caller keeps
 // the memory alive until the job is released. On CUDA the same interface runs on a side stream
-// with one event per layer (the Python wrapper, samcache/tiers/transfer.py).
+// with one event per layer (the Python wrapper, samcache/cache/tiers/transfer.py).
 #pragma once
 
 #include <condition_variable>

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from samcache._checks import check_int
-from samcache.block_pool import AppendResult, BlockPool, ExtraKey
+from samcache.cache.block_pool import AppendResult, BlockPool, ExtraKey
 from samcache.errors import InvariantViolation
 from samcache.hashing import Namespace
 from samcache.policies.base import PRIORITY_MIN

@@ -4,7 +4,7 @@ Along the data flow: ``prompt`` / ``images`` (requests as tokens and positions),
 (``samcache.reuse``), ``executor`` (a plan's stages on the pool and stores), ``batch`` + ``runner``
 (batched forward steps), ``scheduler`` (continuous batching of requests), ``api``
 (``SAMcacheEngine``: chat and sessions). ``calibration`` and ``fidelity`` work beside the
-serving path (``samcache.eval`` builds task evaluations on them). See docs/design.md ("The engine").
+serving path (``samcache.bench.task_accuracy`` builds task evaluations on them). See docs/design.md ("The engine").
 """
 
 from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session

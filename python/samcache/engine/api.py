@@ -12,6 +12,10 @@ state. docs/design.md explains the plan.
 Threads: an engine may be called from several threads; each call holds the engine's lock for its
 whole run, so calls are served one after another. To serve requests together, pass them to one
 :meth:`SAMcacheEngine.chat_batch` call.
+
+Why this module is long: it is the public surface of SAMcacheEngine (chat, chat_batch, sessions,
+branches, calibration, fidelity, counters); every method is a thin, checked entry that hands the
+work to the executor, scheduler or stores.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from samcache._checks import SEED_LIMIT, check_int, check_seed
 from samcache.agent.branches import Branch, ContextTree, TreeMemory
-from samcache.block_pool import BlockPool
+from samcache.cache.block_pool import BlockPool
 from samcache.compression.settings import CompressionSettings
 from samcache.engine.calibration import CALIBRATION_CONTINUATION, Calibrator
 from samcache.engine.config import (CacheConfig, CompressionConfig, EngineConfig, EvictionConfig, RecomputeConfig,
@@ -53,9 +57,9 @@ from samcache.policies import LRUPolicy, Workflow, WorkflowAwarePolicy
 from samcache.recompute import LayerBudget, SensitivityCurves
 from samcache.recompute.serving import keeps_image_order, load_curves, serving_budget
 from samcache.reuse import RecomputeBudget
-from samcache.stores import ImageKVStore
-from samcache.tiers import DiskTier, LowerTiers, RemoteTier
-from samcache.tiers.prefix import PrefixTier
+from samcache.cache.stores import ImageKVStore
+from samcache.cache.tiers import DiskTier, LowerTiers, RemoteTier
+from samcache.cache.tiers.prefix import PrefixTier
 
 
 @dataclass
@@ -171,7 +175,7 @@ class SAMcacheEngine:
     ``max_step_tokens`` bounds the rows of one forward step (continuous batching in
     :meth:`chat_batch`).
 
-    Tiers below the pool (:mod:`samcache.tiers`): ``host_kv_cache_bytes`` of host memory,
+    Tiers below the pool (:mod:`samcache.cache.tiers`): ``host_kv_cache_bytes`` of host memory,
     ``disk_kv_cache_dir`` (at most ``disk_kv_cache_bytes``, ``cold_kv_qtype`` encoding) and a
     shared ``remote_kv_store``; images the pool lets go are demoted there, and come back up on a
     hit. ``eviction_policy`` ("lru", "priority-lru", "workflow", "attention", with
@@ -418,7 +422,8 @@ class SAMcacheEngine:
         worker thread; with ``wait`` return once they are there. The number of images sent up
         (those not in the pool or host memory already). Their turn then finds them one tier
         higher, and a turn that needs one still on its way waits for that one only. Contexts
-        (``("context", agent)``) stay in the pool's prefix cache, which has no tier below it yet."""
+        (``("context", agent)``) are not sent up ahead: their blocks come back from the prefix tier
+        when a turn's prefix match reaches them."""
         horizon = self.prefetch_horizon if horizon is None else horizon
         with self._lock:
             lower = self.lower_tiers

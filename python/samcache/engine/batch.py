@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from samcache.block_pool import slot_ids
+from samcache.cache.block_pool import slot_ids
 from samcache.compression.compaction import Compaction
 from samcache.compression.settings import CompressionSettings
 from samcache.ops.host_arrays import upload

@@ -37,7 +37,7 @@ import torch
 
 from samcache import ops
 from samcache._checks import check_int
-from samcache.block_pool import BlockPool, slot_ids
+from samcache.cache.block_pool import BlockPool, slot_ids
 from samcache.engine.executor import Executor, RequestOptions
 from samcache.engine.metrics import next_token_fidelity
 from samcache.engine.prompt import Prompt, user_message
@@ -48,7 +48,7 @@ from samcache.recompute import SensitivityCurves, probe_layer_sensitivity
 from samcache.recompute.budget import check_probe_rates, solve_layer_budget, tokens_per_layer
 from samcache.recompute.image_order import ImageOrderCheck, confident_agreement
 from samcache.engine.vit_chain import VitChain
-from samcache.stores import ImageKVStore
+from samcache.cache.stores import ImageKVStore
 
 if TYPE_CHECKING:  # the engine calls this module; the annotation alone names it back
     from samcache.engine.api import SAMcacheEngine

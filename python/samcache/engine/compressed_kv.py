@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from samcache.block_pool import BlockPool, slot_ids
+from samcache.cache.block_pool import BlockPool, slot_ids
 from samcache.compression.compaction import Compaction
 from samcache.engine.prompt import Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.engine.tier_io import TierIO
 from samcache.reuse import PromptLayout, ReusePlan
-from samcache.stores import ImageKVStore
+from samcache.cache.stores import ImageKVStore
 
 if TYPE_CHECKING:
     from samcache.engine.executor import Prepared

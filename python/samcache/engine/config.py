@@ -22,7 +22,7 @@ from samcache.recompute.method import RepairMethod
 from samcache.recompute.methods import repair_method
 from samcache.recompute.serving import BUDGETS, check_keep_image_order
 from samcache.recompute.two_track import TwoTrack
-from samcache.tiers import RemoteStore
+from samcache.cache.tiers import RemoteStore
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class CompressionConfig:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Tiers below the pool (:mod:`samcache.tiers`): host memory, a disk folder and a shared store
+    """Tiers below the pool (:mod:`samcache.cache.tiers`): host memory, a disk folder and a shared store
     for image KV; host memory and disk for prefix blocks and ViT outputs. All off by default."""
 
     host_kv_cache_bytes: int = 0
@@ -145,7 +145,7 @@ class TierConfig:
         if self.cold_kv_qtype not in ("fp8_e4m3", "int8", None):
             raise ValueError(f"cold_kv_qtype must be 'fp8_e4m3', 'int8' or None (lossless), got {self.cold_kv_qtype!r}")
         if self.remote_kv_store is not None and not isinstance(self.remote_kv_store, RemoteStore):
-            raise TypeError(f"remote_kv_store must be a samcache.tiers.RemoteStore (e.g. MooncakeStore), "
+            raise TypeError(f"remote_kv_store must be a samcache.cache.tiers.RemoteStore (e.g. MooncakeStore), "
                             f"got {type(self.remote_kv_store).__name__}")
         if (self.disk_vit_cache_bytes or self.disk_prefix_cache_bytes) and self.disk_kv_cache_dir is None:
             raise ValueError("disk_vit_cache_bytes and disk_prefix_cache_bytes need disk_kv_cache_dir (their files go "

@@ -23,6 +23,10 @@ A decode step (:meth:`decode_step`) is one row of a sequence; a forward step may
 prefills. A failed stage drops
 the blocks it added (nothing half-written is ever adopted) and leaves the pool and stores
 consistent; the other requests of a batch are not affected by one request's failure to prepare.
+
+Why this module is long: the three stages of a request (prepare, forward, register) and decode share
+the pool, the runner and the failure rule (a failed stage drops what it added); its other jobs live
+in vit_chain, tier_io and compressed_kv.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 
 from samcache.agent.branches import ContextTree
-from samcache.block_pool import BlockPool, slot_ids
+from samcache.cache.block_pool import BlockPool, slot_ids
 from samcache.compression.compaction import Compaction
 from samcache.compression.settings import CompressionSettings
 from samcache.engine.batch import RowSelection, SequenceStep, StepBatch
@@ -49,8 +53,8 @@ from samcache.errors import OutOfBlocks, PromptTooLong
 from samcache.hashing import ContentKey, Namespace
 from samcache.recompute import attention_relevance, span_positions
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReusePlan, image_key, plan_request
-from samcache.stores import HeldImage, ImageKVStore
-from samcache.tiers.prefix import PrefixTier
+from samcache.cache.stores import HeldImage, ImageKVStore
+from samcache.cache.tiers.prefix import PrefixTier
 
 _LOWEST = -(2**31)
 _RELEVANCE_QUERIES = 32  # the prompt's last new tokens whose attention scores track 2
@@ -390,6 +394,12 @@ class Executor:
         return out
 
     def sequence_step(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict) -> SequenceStep:
+        """The forward's input for ``plan``, which must be complete: its declared second phase
+        (relevance scores, ``plan.needs_scores``) done. Only a choice the plan declares to happen in
+        the forward (``plan.select_layer``) is left to it."""
+        if plan.needs_scores:
+            raise RuntimeError("the reuse plan is incomplete: its repair order needs relevance scores "
+                               "(ReusePlan.with_scores) before the forward may run it")
         rows = plan.rows
         step = SequenceStep(
             rows=rows, embeds=self.embeds(prompt, rows, vit), positions=prompt.positions[:, torch.from_numpy(rows)],

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from samcache import ops
-from samcache.block_pool import slot_ids
+from samcache.cache.block_pool import slot_ids
 from samcache.engine.batch import StepBatch
 from samcache.families import Family
 from samcache.engine.linear import linear

@@ -1,4 +1,4 @@
-"""Moving KV between the pool and the tiers below it (:mod:`samcache.tiers`), for the executor.
+"""Moving KV between the pool and the tiers below it (:mod:`samcache.cache.tiers`), for the executor.
 
 Image KV found in a lower tier loads straight into the new sequence's slots, layer by layer,
 while the forward runs (:class:`TierLoad`); images fetched but not kept go back down. Cached
@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from samcache.block_pool import BlockPool, slot_ids
+from samcache.cache.block_pool import BlockPool, slot_ids
 from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.hashing import Namespace
 from samcache.reuse import PromptLayout, ReusePlan
-from samcache.stores import ImageKVStore
-from samcache.tiers.lower import Fetched
-from samcache.tiers.prefix import PrefixTier
-from samcache.tiers.transfer import LayerLoad, TransferEngine
+from samcache.cache.stores import ImageKVStore
+from samcache.cache.tiers.lower import Fetched
+from samcache.cache.tiers.prefix import PrefixTier
+from samcache.cache.tiers.transfer import LayerLoad, TransferEngine
 
 if TYPE_CHECKING:
     from samcache.engine.executor import Prepared

@@ -17,7 +17,7 @@ from samcache.engine.metrics import TurnMetrics
 from samcache.engine.prompt import Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.hashing import Namespace
-from samcache.stores import TensorStore
+from samcache.cache.stores import TensorStore
 
 
 class VitChain:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from samcache.block_pool import BlockPool
+from samcache.cache.block_pool import BlockPool
 from samcache.policies import AttentionActivity, AttentionAwarePolicy, EvictionPolicy, ItemState, WorkflowAwarePolicy
 from samcache.policies.base import PRIORITY_MIN
 

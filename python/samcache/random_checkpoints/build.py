@@ -58,6 +58,9 @@ Anything else raises ``ValueError`` naming the key. Derived values follow the ov
 given: ``mrope_section`` from ``head_dim``, vision ``out_hidden_size`` = text ``hidden_size``.
 Inconsistent values (sections not summing to head_dim/2, deepstack or full-attention indexes
 outside the vision depth, a vocabulary smaller than the tokenizer) raise ``ValueError``.
+
+Why this module is long: each family's defaults are real config fields, listed here beside the one
+writer of the checkpoint directory, so that a size and the file that carries it are read together.
 """
 
 from __future__ import annotations

@@ -135,6 +135,13 @@ class ReusePlan:
     - ``exact_tokens``: the leading tokens whose KV equals a full prefill's (everything before the
       first spliced token, unless every reused token is recomputed at every layer). Only these may
       enter an exact prefix cache.
+
+    A plan is made in two declared phases, both before the forward: :func:`plan_reuse` decides
+    everything that needs no KV; a repair order that ranks tokens by relevance leaves
+    ``needs_scores`` set, and :meth:`with_scores` (given scores read from the spliced keys) makes
+    the plan complete. Executors refuse an incomplete plan. The one decision left to the forward
+    is declared too: ``select_layer`` (the deviation method ranks the reused tokens by the keys it
+    computes there).
     """
 
     num_tokens: int

@@ -39,7 +39,7 @@ def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4
     import torch
 
     from samcache.engine.loading import load_processor
-    from samcache.eval.task_accuracy import training_defaults, wilson_interval
+    from samcache.bench.task_accuracy import training_defaults, wilson_interval
     from samcache.random_checkpoints import model_class
     from samcache.tasks import visual_qa
     from samcache.tasks.training import evaluate

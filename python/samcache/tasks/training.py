@@ -77,6 +77,7 @@ class TrainConfig:
 
     seed: int = 0
     steps: int = 3000
+    stop_after: int | None = None  # stop (and write the weights) after this many steps of a ``steps`` schedule
     batch_size: int = 16
     lr: float = 2e-3
     warmup: int = 100
@@ -378,6 +379,10 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
     check_int("steps", config.steps, 1)
     check_int("batch_size", config.batch_size, 1)
     check_int("vision_steps", config.vision_steps, 0)
+    if config.stop_after is not None:
+        check_int("stop_after", config.stop_after, 1)
+        if config.stop_after > config.steps:
+            raise ValueError(f"stop_after ({config.stop_after}) must not exceed steps ({config.steps})")
     if not config.answer_weight > 0:
         raise ValueError(f"answer_weight must be > 0, got {config.answer_weight!r}")
     device = torch.device(config.device)
@@ -409,7 +414,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
                                       size=config.size, seed=config.seed)) for n in (1, 4)}
     curve, start = [], time.perf_counter()
     first_example = seen
-    bar = tqdm(range(config.steps), desc="training", disable=not progress)
+    last = config.stop_after or config.steps
+    bar = tqdm(range(last), desc="training", disable=not progress)
     for step in bar:
         n = config.images_at(step)
         batch = []
@@ -433,7 +439,7 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}", images=n)
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+        if (step + 1) % config.eval_every == 0 or step + 1 == last:
             point = {"step": step + 1, "examples_seen": seen - first_example, "loss": loss.item(),
                      "seconds": time.perf_counter() - start}
             for k, exs in held_out.items():
@@ -455,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--stop-after", type=int, default=None, metavar="N",
+                        help="stop after N steps of the --steps learning-rate schedule (then --init a run from it)")
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
@@ -482,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=MODEL_SIZES["num_key_value_heads"],
                         help="key/value heads of a new model")
     args = parser.parse_args(argv)
-    config = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+    config = TrainConfig(seed=args.seed, steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size, lr=args.lr,
                          eval_every=args.eval_every, eval_examples=args.eval_examples, threads=args.threads,
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
                          answer_weight=args.answer_weight, init_from=args.init, deepen=args.deepen, evidence=args.evidence, dense_eval=args.dense_fraction > 0,

@@ -38,10 +38,14 @@ assistant's reply; ``dense=True`` first describes every image, see :func:`descri
 :func:`parse_answer` / :func:`is_correct` for scoring replies.
 
 Multi-turn traces (:func:`trace`) move the same images between positions as the benchmark's
-scenarios do (:mod:`samcache.workloads`): ``gui`` (a sliding window of screenshots), ``reorder``
+scenarios do (:mod:`samcache.bench.workloads`): ``gui`` (a sliding window of screenshots), ``reorder``
 (pages shown in a new order every turn) and ``subagent`` (a planner, sub-agents with their own
 system prompts over the images in a new order, then the chosen branch continued with its history).
 Every turn is the whole request with pixel arrays and a known answer.
+
+Why this module is long: the task family is one closed vocabulary (cells, colours, labels, titles,
+words), its renderer, its question types and their scorers: a question, the image it asks about and
+the check of its answer must agree, so they stay together.
 """
 
 from __future__ import annotations

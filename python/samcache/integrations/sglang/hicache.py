@@ -22,6 +22,9 @@ The process's store is :func:`shared_store`; it is created by whichever user ask
 user (image KV) puts its entries with its own group and release callback, e.g.
 ``shared_store().put(key, held, check, size_bytes=n, group=ns.digest, on_evict=free_holder)``;
 each user's ``clear`` drops only its group.
+
+Why this module is long: SGLang's HiCache storage interface has two generations (v0 page hashes, v1
+zero-copy batches), and both are implemented here against one store so that they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from samcache.content_index import Evicted, Tier
+from samcache.cache.content_index import Evicted, Tier
 from samcache.errors import CacheFull
 from samcache.hashing import ContentKey, Namespace, hash_bytes
-from samcache.stores.tensor_store import TensorStore, tensor_bytes
+from samcache.cache.stores.tensor_store import TensorStore, tensor_bytes
 
 DEFAULT_CAPACITY_BYTES = 4 << 30  # 4 GiB of host memory unless extra_config says otherwise
 _PAGE_DOMAIN = b"samcache/sglang-hicache/page/v1\0"

@@ -46,7 +46,7 @@ from samcache.integrations.vllm.identity import model_id
 from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
                                              plan_forward, request_images)
 from samcache.reuse import RecomputeBudget, image_key
-from samcache.stores import TensorStore
+from samcache.cache.stores import TensorStore
 
 logger = logging.getLogger("vllm.samcache")  # under vLLM's logger: its handlers and format
 

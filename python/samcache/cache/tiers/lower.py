@@ -6,7 +6,7 @@ is (pinned on CUDA, so the copy back is a plain DMA), and from there, when the h
 its bound, down to the disk tier in the cold encoding (FP8/INT8 + zstd). A lookup that misses the
 device store asks :meth:`LowerTiers.fetch`: a host hit is exact; a disk hit is the quantized KV.
 The item then goes back up into pool blocks (the caller *promotes* it) and leaves the host tier.
-With a shared store (:class:`samcache.tiers.remote.RemoteTier`), what an instance computes is
+With a shared store (:class:`samcache.cache.tiers.remote.RemoteTier`), what an instance computes is
 also *published* there at once (:meth:`LowerTiers.publish`), so other instances find it after
 host and disk: what one computed, the others reuse.
 
@@ -36,8 +36,8 @@ import torch
 
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.disk import DiskTier
-from samcache.tiers.remote import RemoteTier
+from samcache.cache.tiers.disk import DiskTier
+from samcache.cache.tiers.remote import RemoteTier
 
 
 def _normal(check: Any) -> Any:

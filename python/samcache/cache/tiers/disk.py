@@ -1,4 +1,4 @@
-"""The local-disk tier: cold-tier items (:mod:`samcache.tiers.cold`) as files in a cache directory,
+"""The local-disk tier: cold-tier items (:mod:`samcache.cache.tiers.cold`) as files in a cache directory,
 byte-bounded, least recently used out first.
 
 One file per item, named by the hex of its namespaced content key (the key already covers the
@@ -29,7 +29,7 @@ import torch
 
 from samcache._checks import check_int
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import (QTYPES, ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors,
+from samcache.cache.tiers.cold import (QTYPES, ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors,
                                  read_header)
 
 SUFFIX = ".samkv"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from samcache._checks import check_int
-from samcache.content_index import ContentIndex
+from samcache.cache.content_index import ContentIndex
 from samcache.errors import InvariantViolation
 from samcache.hashing import ContentKey
 

@@ -4,7 +4,7 @@
 remove of bytes by key, with batch forms). :class:`MooncakeStore` is its backend over Mooncake
 Store, the distributed KV-cache store that SGLang HiCache, vLLM and LMCache deployments already
 run (``mooncake_master`` plus a transfer engine; TCP here, RDMA in production through the same
-API). :class:`RemoteTier` keeps KV items there in the cold encoding (:mod:`samcache.tiers.cold`)
+API). :class:`RemoteTier` keeps KV items there in the cold encoding (:mod:`samcache.cache.tiers.cold`)
 under ``samcache/{namespace}/{content key}/kv``: the namespace (model and tenant) is part of every
 key, and the encoded header is checked again on every read, so another model's, another tenant's
 or a damaged item is never used (a damaged one is removed).
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from samcache.hashing import ContentKey, Namespace
-from samcache.tiers.cold import ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors, read_header
-from samcache.tiers.disk import StoredKV
+from samcache.cache.tiers.cold import ColdFormatError, ForeignItem, decode, decode_tensors, encode, encode_tensors, read_header
+from samcache.cache.tiers.disk import StoredKV
 
 
 class RemoteStoreError(RuntimeError):

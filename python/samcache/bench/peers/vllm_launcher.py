@@ -42,7 +42,7 @@ def find_vllm_python(explicit: str | os.PathLike | None = None) -> pathlib.Path:
     if os.environ.get(ENV_VAR):
         candidates.append(os.environ[ENV_VAR])
     candidates += [pathlib.Path.cwd() / ".venv-vllm/bin/python",
-                   pathlib.Path(__file__).resolve().parents[3] / ".venv-vllm/bin/python"]
+                   pathlib.Path(__file__).resolve().parents[4] / ".venv-vllm/bin/python"]
     for c in candidates:
         path = pathlib.Path(c)
         if path.is_file() and os.access(path, os.X_OK):

@@ -8,6 +8,10 @@ every turn's next-token KL and greedy agreement against a full prefill of the sa
 now that the model's distributions are not flat.
 
     samcache eval --model models/visual-qa --scenario gui --traces 20 --recompute 0,0.02,0.05,0.1,0.2,1.0
+
+Why this module is long: one measurement from traces to table: scoring a reply, pairing two runs
+turn by turn, the share of the reuse kept and the plot all read the same per-turn records, whose
+fields are defined here.
 """
 
 from __future__ import annotations
@@ -105,11 +109,11 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     (``recomputed_token_layers``, ``prefilled_tokens``, ``isolated_tokens``); :func:`reuse_kept` and
     :func:`comparisons` turn those into the share of the any-index reuse a run kept.
     Modes ``vllm`` and ``vllm-samcache`` serve the same traces through the real vLLM (in its own
-    environment, ``vllm_python``; :mod:`samcache.peers.vllm_launcher`), one vLLM process a run
+    environment, ``vllm_python``; :mod:`samcache.bench.peers.vllm_launcher`), one vLLM process a run
     serving every trace in turn, vanilla or with samcache's plugin at each ratio and (plugin)
     method, ``keep_image_order`` and, for ``"auto"``, the curves calibrated on samcache's engine
     (``sensitivity``): the same settings the engine runs with."""
-    from samcache.benchmark import MODES, check_mode_methods, mode_engine_kwargs, parse_modes, parse_ratios
+    from samcache.bench.benchmark import MODES, check_mode_methods, mode_engine_kwargs, parse_modes, parse_ratios
     from samcache.engine import SAMcacheEngine
     from samcache.engine.calibration import CALIBRATION_CONTINUATION
     from samcache.recompute.methods import parse_methods
@@ -123,7 +127,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     if floors:
         raise ValueError(f"task accuracy scores whole turns; {', '.join(floors)} cannot answer the traces")
     if any(MODES[m].peer for m in modes):
-        from samcache.peers.vllm_launcher import check_plugin_installed, find_vllm_python
+        from samcache.bench.peers.vllm_launcher import check_plugin_installed, find_vllm_python
 
         vllm_python = str(find_vllm_python(vllm_python))  # a clear error now, not after the other runs
         if "vllm-samcache" in modes:
@@ -226,7 +230,7 @@ def _vllm_turns(model_path, traces, mode: str, ratio: float | None, method: str 
     import json
     import tempfile
 
-    from samcache.peers.vllm_launcher import run_trace
+    from samcache.bench.peers.vllm_launcher import run_trace
     from samcache.tasks.visual_qa import DENSE_INSTRUCTION, described_parts, is_correct
 
     flat = [(index, turn, moved) for trace in traces
@@ -291,7 +295,7 @@ def parse_shares(shares: str | Sequence[float]) -> list[float]:
 def _two_track(mode: str, method: str | None = None) -> bool:
     """Whether ``mode`` (with repair ``method``, None: the default) recomputes with both tracks of
     the two-track method, so that its track-2 share matters."""
-    from samcache.benchmark import MODES
+    from samcache.bench.benchmark import MODES
 
     return (MODES[mode].recomputes and not MODES[mode].peer and method in (None, "two-track")
             and MODES[mode].engine_kwargs.get("recompute_tracks", "both") == "both")

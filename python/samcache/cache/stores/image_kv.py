@@ -9,7 +9,7 @@ an evicted entry frees its holder and the blocks return to the pool (or stay as 
 blocks if they are cached there too). Reuse reads the KV from those blocks
 (:meth:`ImageKVStore.slots`) and writes it, re-rotated, into the new sequence.
 
-With lower tiers (:class:`samcache.tiers.LowerTiers`), an entry the store lets go is first copied
+With lower tiers (:class:`samcache.cache.tiers.LowerTiers`), an entry the store lets go is first copied
 out of its blocks and demoted (host memory, then disk) instead of lost; a turn that finds it
 there loads it straight into its own sequence, layer by layer (``samcache.engine.tier_io.TierLoad``),
 and the store holds it again from that sequence's blocks after the turn. A turn pins the images it reuses (:meth:`pin`) so making
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from samcache._checks import check_int
-from samcache.block_pool import BlockPool, slot_ids
+from samcache.cache.block_pool import BlockPool, slot_ids
 from samcache.errors import CacheFull, InvariantViolation
 from samcache.hashing import ContentKey, Namespace
-from samcache.stores.tensor_store import TensorStore
+from samcache.cache.stores.tensor_store import TensorStore
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 This file runs under vLLM's Python (``make vllm-env`` builds that environment: vLLM pins
 ``transformers<5.20``, samcache's tests pin 5.23), so it imports nothing from samcache; the
-benchmark (:mod:`samcache.peers.vllm_launcher`) starts it and reads its result file::
+benchmark (:mod:`samcache.bench.peers.vllm_launcher`) starts it and reads its result file::
 
     python vllm_peer.py REQUEST.json RESULT.json
 
