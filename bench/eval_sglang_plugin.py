@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -119,10 +118,7 @@ def sglang_tokens(data: dict, threads: int) -> list[dict]:
     from samcache.cache.stores import TensorStore
 
     torch.set_num_threads(threads)
-    with socket.socket() as free:  # its own rendezvous port: the plugin tests may run beside it
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    H.setup_sglang(master_port=port)
+    H.setup_sglang()  # on a free rendezvous port: the plugin tests may run beside it
     path = pathlib.Path(data["model"])
     stock, plugin = _load_checkpoint(Stock, path), _load_checkpoint(Override, path)
     settings = ReuseSettings(recompute_ratio=data["recompute"], recompute_method=data["method"],

@@ -166,7 +166,7 @@ def test_bench_builds_a_model_when_none_is_given_and_deletes_it(tmp_path, capsys
     shutil.rmtree(kept.parent)
     # The results name the checkpoint built in a temporary folder without this machine's path.
     written = (tmp_path / "results.json").read_text() + (tmp_path / "report.md").read_text()
-    assert f"$TMPDIR/{built.parent.name}/qwen2_5_vl" in written and str(built.parent) not in written
+    assert f"$TMPDIR/{kept.parent.name}/qwen2_5_vl" in written and str(kept.parent) not in written
 
 
 def test_results_name_no_path_of_this_machine():

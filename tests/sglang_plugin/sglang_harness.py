@@ -46,6 +46,7 @@ Everything runs in float32 on CPU.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 import types
@@ -98,7 +99,7 @@ def _install_torchvision_shim() -> None:
         sys.modules.setdefault(name, types.ModuleType(name))
 
 
-def setup_sglang(master_port: int = 29651) -> None:
+def setup_sglang(master_port: int | None = None) -> None:
     """Idempotent process set-up for running SGLang models on CPU (world size 1).
 
     Mirrors ``sglang.test.layer_ut_utils.init_single_process_dist`` plus
@@ -123,7 +124,14 @@ def setup_sglang(master_port: int = 29651) -> None:
     _install_torchvision_shim()
     _install_rotary_fallback_stub()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(master_port))
+    if master_port is None and "MASTER_PORT" not in os.environ:
+        # A free rendezvous port of its own: two harness processes at once (the plugin tests and an
+        # eval beside them) would otherwise collide on one fixed port.
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            master_port = free.getsockname()[1]
+    if master_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(master_port))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -20,6 +20,10 @@ The probes teach both in about 1,500 steps (3 minutes): 100% of colours, kinds a
 about 96% of labels per token (docs/benchmark.md).
 
     python -m samcache.tasks.training --out models/visual-qa --steps 3000 --seed 0
+
+Why this module is long: the two stages share one configuration, one example encoding and one
+held-out evaluation, and a run continued from another (``--init``, ``--deepen``) must read what
+the earlier run wrote; split apart, each part would import the others.
 """
 
 from __future__ import annotations
