@@ -20,7 +20,7 @@ import json
 import pathlib
 import re
 
-from samcache.bench.task_accuracy import comparisons, plot
+from samcache.bench.task_accuracy import comparisons, plot, run_name
 
 METHOD_ORDER = ("two-track", "boundary", "deviation", "boundary+deviation", "isolated")
 
@@ -36,7 +36,7 @@ def merge(summary: dict, results: dict) -> list[str]:
     held = [r for r in summary["runs"] if r["mode"] == "baseline"]
     if not full:
         raise ValueError("the results hold no full prefill (baseline) run to pair their runs with")
-    if held and [t["correct"] for t in full[0]["turns"]] and held[0]["accuracy"] != full[0]["accuracy"]:
+    if held and held[0]["accuracy"] != full[0]["accuracy"]:
         raise ValueError(f"the results' full prefill answers {full[0]['accuracy']:.4f}, the summary's "
                          f"{held[0]['accuracy']:.4f}: not the same traces or model")
     if results.get("traces") != summary.get("traces"):
@@ -49,19 +49,13 @@ def merge(summary: dict, results: dict) -> list[str]:
             continue
         entry = {k: v for k, v in run.items() if k != "turns"}
         summary["runs"].append(entry)
-        name = next(a for a, row in rows.items() if _matches(a, run))
+        name = run_name(run)
         summary["comparisons"].append(rows[name])
         added.append(name)
     command = results.get("command")
     if added and command and command not in summary["commands"]:
         summary["commands"].append(command)
     return added
-
-
-def _matches(name: str, run: dict) -> bool:
-    method = f" {run['method']}" if run.get("method") else ""
-    ratio = "" if run["recompute"] is None else f" @ {run['recompute']:g}"
-    return name == f"{run['mode']}{method}{ratio}"
 
 
 def _signed(value: float, interval) -> str:
@@ -82,7 +76,7 @@ def table(scenario: str, summary: dict) -> list[str]:
 
     out = []
     for run in sorted(runs, key=order):
-        row = next(row for name, row in rows.items() if _matches(name, run))
+        row = rows[run_name(run)]
         parts = row.get("described") or {}
         answers = _signed(row["difference"], row["interval"])
         described = "" if run.get("description_accuracy") is None else f"{100 * run['description_accuracy']:.1f}%"

@@ -154,6 +154,7 @@ _ORDER_CHOICES = {"auto": "auto", "true": True, "false": False}
 
 
 def _eval(args) -> int:
+    from samcache.bench.report import portable
     from samcache.bench.task_accuracy import (
         CALIBRATION_OFFSET,
         check_scenario,
@@ -219,8 +220,6 @@ def _eval(args) -> int:
         path = pathlib.Path(args.out)
         path.mkdir(parents=True, exist_ok=True)
         out["command"] = "samcache " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
-        from samcache.bench.report import portable
-
         (path / "results.json").write_text(json.dumps(portable(out), indent=2, default=str))
         print(f"wrote {path / 'results.json'}")
         curves = out["sensitivity"]  # reusable: --sensitivity, or SAMcacheEngine(sensitivity=...)

@@ -29,12 +29,9 @@ inline void note_parallel_task(int thread) {
 // (tasks, distinct threads) since the last reset.
 inline std::pair<int64_t, int> take_parallel_stats(bool reset) {
   ParallelStats& s = parallel_stats();
-  std::pair<int64_t, int> out{s.tasks.load(), std::popcount(s.threads.load())};
-  if (reset) {
-    s.tasks.store(0);
-    s.threads.store(0);
-  }
-  return out;
+  // With reset, read and clear in one step each: a task noted meanwhile is counted once.
+  if (reset) return {s.tasks.exchange(0), std::popcount(s.threads.exchange(0))};
+  return {s.tasks.load(), std::popcount(s.threads.load())};
 }
 
 }  // namespace samcache

@@ -385,7 +385,8 @@ def _paired(diffs: list[int], z: float) -> dict:
             "a_only": diffs.count(1), "b_only": diffs.count(-1)}
 
 
-def _run_name(run: dict) -> str:
+def run_name(run: dict) -> str:
+    """A run's name in comparisons and plots: mode, method, ``@ ratio``, track-2 share."""
     mode = run["mode"] if run.get("method") is None else f"{run['mode']} {run['method']}"
     name = mode if run["recompute"] is None else f"{mode} @ {run['recompute']:g}"
     return name if run.get("track2_share") is None else f"{name} share {run['track2_share']:g}"
@@ -405,13 +406,13 @@ def comparisons(out: dict) -> list[dict]:
     for (mode, ratio, share, method), run in runs.items():
         if full is not None and mode != "baseline":
             kept = None if reference is None else reuse_kept(run, reference)
-            rows.append({"a": _run_name(run), "b": "baseline", "reuse_kept": kept, **paired_difference(run, full)})
+            rows.append({"a": run_name(run), "b": "baseline", "reuse_kept": kept, **paired_difference(run, full)})
     for other in ("uniform-budget", "head-only"):
         for (mode, ratio, share, method), run in runs.items():
             # head-only has no track 2: every share of samcache is compared with its one run.
             key = (other, ratio, None if other == "head-only" else share, method)
             if mode == "samcache" and key in runs:
-                rows.append({"a": _run_name(run), "b": _run_name(runs[key]), **paired_difference(run, runs[key])})
+                rows.append({"a": run_name(run), "b": run_name(runs[key]), **paired_difference(run, runs[key])})
     return rows
 
 
@@ -486,7 +487,7 @@ def frontier_points(out: dict) -> dict[str, list[dict]]:
             if row["b"] == "baseline" and row.get("reuse_kept") is not None}
     lines: dict[str, list[dict]] = {}
     for run in out["runs"]:
-        row = rows.get(_run_name(run))
+        row = rows.get(run_name(run))
         if row is None or run["recompute"] is None:
             continue
         name = run["mode"] if run.get("method") is None else f"{run['mode']} {run['method']}"
