@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
+.PHONY: test demo vqa168 install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -17,7 +17,7 @@ venv: .venv/.ready
 	@# Later installs must never replace this torch (e.g. by a CUDA build pulled in as a dependency).
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
-	  pytest hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
+	  pytest pytest-xdist hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
 	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5" "triton==3.6.0"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@
@@ -36,7 +36,7 @@ vllm-env: .venv-vllm/.ready
 	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp python/samcache/bench/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c .venv-vllm/constraints.txt \
-	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
+	  "scikit-build-core>=0.10" "cmake>=3.24" ninja
 	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
@@ -65,7 +65,7 @@ sglang-env: .venv-sglang/.ready
 	$(SGLANG_PIP) $$(grep '^torch==' envs/sglang-cpu.txt)
 	$(SGLANG_PY) -c "import torch; print('torch==' + torch.__version__)" > .venv-sglang/constraints.txt
 	$(SGLANG_PIP) -c .venv-sglang/constraints.txt -r envs/sglang-cpu.txt \
-	  "scikit-build-core>=0.10" "cmake>=3.24" ninja pytest hypothesis
+	  "scikit-build-core>=0.10" "cmake>=3.24" ninja
 	$(SGLANG_PIP) --no-deps sglang==$$(sed -n 's/^# sglang==//p' envs/sglang-cpu.txt) torchvision==0.28.0
 	site=$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp python/samcache/bench/peers/torchvision_cpu_shim.py "$$site/" && echo "import torchvision_cpu_shim" > "$$site/torchvision_cpu_shim.pth"
@@ -122,16 +122,34 @@ ctest: install
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
 # SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
-pytest: install vllm-env vllm-plugin sglang-env sglang-plugin
+# Each suite runs on PYTEST_WORKERS pytest-xdist workers: most of its time is single-threaded (Python,
+# the start-up of vLLM's engine-core and worker processes), so two workers on two cores come close to
+# halving it. --dist loadfile keeps a file's module fixtures on one worker; the vLLM plugin's tests
+# name the groups that share a vLLM engine (xdist_group).
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS)
+TEST_TOOLS := pytest pytest-xdist hypothesis
+# The test tools in each peer's environment: a stamp of its own, so that a changed list here reaches
+# an environment already built without rebuilding it.
+%/.test-tools: %/.ready Makefile
+	$(@D)/bin/python -m pip install -q --disable-pip-version-check -c $(@D)/constraints.txt $(TEST_TOOLS)
+	touch $@
+pytest: install vllm-env vllm-plugin sglang-env sglang-plugin .venv-vllm/.test-tools .venv-sglang/.test-tools
 	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) SAMCACHE_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_PY) \
-	  $(PY) -m pytest -q tests \
+	  $(PY) -m pytest -q $(XDIST) --dist loadfile tests \
 	  --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin
 	@# samcache's vLLM plugin, end to end through the real vLLM: in vLLM's environment
-	$(VLLM_PY) -m pytest -q tests/vllm_plugin
+	$(VLLM_PY) -m pytest -q $(XDIST) --dist loadgroup tests/vllm_plugin
 	@# samcache's SGLang plugin, on SGLang's real classes: in SGLang's environment
-	$(SGLANG_PY) -m pytest -q -p no:warnings tests/sglang_plugin
+	$(SGLANG_PY) -m pytest -q $(XDIST) --dist loadfile -p no:warnings tests/sglang_plugin
 
-test: cuda-check ctest pytest
+# The set-up steps do not depend on one another (downloads into three environments, three builds,
+# the CUDA compile check, the C++ tests): they run side by side, each one's output printed as a
+# whole when it ends. Then the Python suites.
+test:
+	$(MAKE) --no-print-directory --jobs=4 --output-sync=target cuda-check ctest vllm-plugin sglang-plugin \
+	  .venv-vllm/.test-tools .venv-sglang/.test-tools
+	$(MAKE) --no-print-directory pytest
 
 bench: install
 	$(BUILD)/samcache_bench_core
@@ -148,6 +166,15 @@ demo: install
 	@echo; echo "short gui benchmark: 10 turns, window of 3, today's engines (prefix + ViT cache) vs samcache, small model"
 	$(PY) -m samcache bench --scenario gui --turns 10 --window 3 --modes prefix,samcache --no-fidelity --quiet \
 	  --preset small --out bench/out/demo-gui
+
+# The repair table's second model, 36 tokens an image (docs/benchmark.md, "A model with 4x the tokens
+# per image"): fine-tuned from the shipped checkpoint at 168x168, about 90 minutes on 2 cores.
+VQA168 := --vision-steps 0 --images 4 --evidence --answer-weight 4 --image-size 168 168 --eval-examples 48 --threads 2
+vqa168: runs/vqa168b/model.safetensors
+runs/vqa168b/model.safetensors: | install
+	$(PY) -m samcache.tasks.training --out runs/vqa168-s300 --init python/samcache/tasks/checkpoints/visual-qa \
+	  $(VQA168) --steps 600 --stop-after 300 --eval-every 300 --lr 3e-4
+	$(PY) -m samcache.tasks.training --out runs/vqa168b --init runs/vqa168-s300 $(VQA168) --steps 400 --eval-every 400 --lr 2e-4
 
 # For a lent GPU machine, which reaches no package registry: `make gpu-prep` here stages what its
 # image lacks in .gpu/ (git-ignored; the device call carries it): wheels for its Python (3.12,

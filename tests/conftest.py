@@ -20,6 +20,9 @@ settings.load_profile(os.environ.get("SAMCACHE_HYPOTHESIS_PROFILE", "ci" if os.e
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # The longest modules first: pytest-xdist hands out files in this order, and a long one handed
+    # out last would run alone at the end.
+    items.sort(key=lambda item: "long" not in item.keywords)
     if torch.cuda.is_available() and samcache._C.with_cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of samcache")
@@ -72,3 +75,17 @@ def tiny_checkpoints(tmp_path_factory):
     from samcache.random_checkpoints import FAMILIES, build_tiny_model
 
     return {f: build_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    """vLLM's environment's Python (`make vllm-env`); where SAMCACHE_REQUIRE_PEERS=1 (make test) a
+    missing one fails instead of skipping."""
+    from samcache.bench.peers.vllm_launcher import PeerUnavailable, find_vllm_python
+
+    try:
+        return str(find_vllm_python())
+    except PeerUnavailable as e:
+        if os.environ.get("SAMCACHE_REQUIRE_PEERS") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))

@@ -20,6 +20,7 @@ from samcache.ops import attention_flash
 from test_ops_sparse_attention import DTYPES, make_batch, reference
 
 sparse_attention_module = importlib.import_module("samcache.ops.sparse_attention")
+pytestmark = pytest.mark.long  # the Triton kernel in Triton's interpreter: about a minute
 
 triton = pytest.importorskip("triton")
 

@@ -2,8 +2,12 @@
 
 Runs in vLLM's environment (`make test` runs this folder with `.venv-vllm/bin/python`, where
 samcache is installed and vLLM loads the plugin through its entry point); elsewhere it skips.
-Each engine is a real `vllm.LLM` (its engine core and worker in their own processes); the plugin's
-counters come back through its `metrics_path` file.
+Each engine is a real `vllm.LLM`, run in the test's process (VLLM_ENABLE_V1_MULTIPROCESSING=0: on
+the CPU vLLM's default puts its engine core and its worker in two processes of their own, which
+triples each start-up). The plugin's scheduler side and worker side still meet only where vLLM hands
+the connector its metadata. `vllm serve` below runs vLLM's default processes, as do the benchmark's
+peer runs (tests/test_peer_vllm.py). The plugin's counters come back through its `metrics_path` file. Tests compared with the module's vanilla vLLM
+run share one xdist group (`make test` spreads the rest over its workers).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def env(tmp_path_factory):
     saved = dict(os.environ)
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                       VLLM_CACHE_ROOT=str(root / "cache"), XDG_CACHE_HOME=str(root / "cache"),
-                      VLLM_RPC_BASE_PATH=str(root), VLLM_CPU_KVCACHE_SPACE="1")
+                      VLLM_RPC_BASE_PATH=str(root), VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     yield root
     os.environ.clear()
     os.environ.update(saved)
@@ -131,8 +135,11 @@ def _changed_pixel(image: Image.Image) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-@pytest.mark.parametrize("chunk", [None, 112])
-def test_at_recompute_ratio_1_outputs_equal_vanilla_vllm_token_for_token(checkpoint, vanilla, env, chunk):
+SHARES_VANILLA = pytest.mark.xdist_group("vanilla")
+
+
+@pytest.mark.parametrize("chunk", [pytest.param(None, marks=SHARES_VANILLA), 112])
+def test_at_recompute_ratio_1_outputs_equal_vanilla_vllm_token_for_token(checkpoint, env, chunk, request):
     """Ratio 1.0 recomputes every reused row: the plugin's path (KV re-rotated and written at new
     positions, the model on its rows, attention over runs of rows) must give vLLM's own outputs.
     With 112-token chunks (chunked prefill) the images of these prompts are cut by chunk ends: the
@@ -140,6 +147,7 @@ def test_at_recompute_ratio_1_outputs_equal_vanilla_vllm_token_for_token(checkpo
     metrics = env / f"ratio1-{chunk}.json"
     kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
     if chunk is None:
+        vanilla = request.getfixturevalue("vanilla")
         reference = vanilla["turns"]
     else:
         llm = make_llm(checkpoint, **kw)  # vanilla vLLM, chunked alike
@@ -192,6 +200,7 @@ def plugin_run(checkpoint, env):
     return out, counters
 
 
+@SHARES_VANILLA
 def test_known_images_at_new_positions_are_reused_and_fewer_tokens_are_computed(plugin_run, vanilla):
     out, c = plugin_run
     # turn 0 sees A and B first: nothing to reuse, both saved
@@ -211,6 +220,7 @@ def test_known_images_at_new_positions_are_reused_and_fewer_tokens_are_computed(
     print("next-token KL vs vanilla vLLM per turn:", kls)
 
 
+@SHARES_VANILLA
 def test_wrong_content_never_hits(plugin_run, vanilla):
     out, c = plugin_run
     # one changed pixel of B: another image, computed (and saved) as new
@@ -227,6 +237,7 @@ def test_wrong_content_never_hits(plugin_run, vanilla):
     assert c["prompt_logprobs"].image_kv_hits == c["moved"].image_kv_hits
 
 
+@SHARES_VANILLA
 def test_approximate_kv_never_enters_vllms_prefix_cache(checkpoint, vanilla, env):
     """A spliced image's KV (recompute 0.05) is approximate, as is everything after it. vLLM caches
     a request's blocks when it schedules them; the plugin takes those from the first approximate
@@ -254,6 +265,7 @@ def test_approximate_kv_never_enters_vllms_prefix_cache(checkpoint, vanilla, env
     assert after.image_reused_tokens - before.image_reused_tokens == 4 * 96
 
 
+@SHARES_VANILLA
 def test_a_batch_mixing_reuse_and_no_reuse_gives_each_request_its_output_served_alone(checkpoint, vanilla, env):
     """One engine without vLLM's prefix cache (so a request served twice takes the same path): a warm
     turn stores A and B; then one vLLM step holds a request reusing both, one with a new image,
@@ -333,7 +345,8 @@ def test_vllm_serve_with_the_flag_reuses_known_images(checkpoint, env):
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                              "--block-size", str(BLOCK), "--max-model-len", "2048",
                              "--limit-mm-per-prompt", '{"image": 3}', "--kv-transfer-config", flag],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's own processes
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

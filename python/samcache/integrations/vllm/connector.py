@@ -38,7 +38,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole, KVConnectorWorkerMetadata)
 
-from samcache.integrations.vllm import metrics
+from samcache.integrations.vllm.metrics import WorkerMetrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
 from samcache.hashing import Namespace
 from samcache.integrations.store_policy import StorePolicy
@@ -110,6 +110,7 @@ class SamcacheConnector(KVConnectorBase_V1):
             return
         self.store = TensorStore("vllm-image-kv", self.config.store_bytes)
         self.policy = StorePolicy(self.config, self.store)
+        self.metrics = WorkerMetrics()
         self._cache: VllmCacheWriter | None = None
         self._num_layers = 0
         self._rotary: Rotary | None = None
@@ -235,7 +236,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._layer_of = {name: layer_index(name) for name, _ in ordered}
         self._cache = VllmCacheWriter([name for name, _ in ordered], [kv for _, kv in ordered])
         self._num_layers = len(ordered)
-        metrics.set_gauges(num_layers=self._num_layers)
+        self.metrics.set_gauges(num_layers=self._num_layers)
         self._budget = self.config.budget(self._num_layers)
         self._keep_order = self.config.keeps_image_order(self._num_layers)
 
@@ -309,10 +310,10 @@ class SamcacheConnector(KVConnectorBase_V1):
             if len(save.k) == self._num_layers:
                 self.store.put(save.key, save.image_kv(),
                                check=(save.rows.numel(),))
-        metrics.update(steps=1, **step.stats, store_evictions=self.store.stats.evictions - before)
-        metrics.set_gauges(store_bytes=self.store.index.used_bytes)
+        self.metrics.update(steps=1, **step.stats, store_evictions=self.store.stats.evictions - before)
+        self.metrics.set_gauges(store_bytes=self.store.index.used_bytes)
         if self.config.metrics_path:
-            metrics.write(self.config.metrics_path)
+            self.metrics.write(self.config.metrics_path)
 
 
 class VllmCacheWriter:

@@ -1,4 +1,5 @@
-"""The plugin's counters, kept by each worker process: what it reused, recomputed and saved.
+"""The plugin's counters, kept by each engine's worker-side connector: what it reused, recomputed
+and saved.
 
 vLLM runs its workers in other processes than the caller's; ``metrics_path`` (extra config) makes
 the worker rewrite these counters as JSON after every step that reused or saved an image, and
@@ -26,41 +27,35 @@ class PluginMetrics(ReuseCounters):
     vit_kernel_sequences: int = 0  # long ViT attention sequences run on samcache's kernel
 
 
-_lock = threading.Lock()
-_metrics = PluginMetrics()
+class WorkerMetrics:
+    """One worker-side connector's counters. Each engine's connector keeps its own, so that engines
+    run one after another in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) count apart."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._metrics = PluginMetrics()
 
-def metrics() -> PluginMetrics:
-    """This process's counters (a copy)."""
-    with _lock:
-        return PluginMetrics(**asdict(_metrics))
+    def snapshot(self) -> PluginMetrics:
+        with self._lock:
+            return PluginMetrics(**asdict(self._metrics))
 
+    def update(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self._metrics, name, getattr(self._metrics, name) + int(value))
 
-def update(**deltas: int) -> None:
-    with _lock:
-        for name, value in deltas.items():
-            setattr(_metrics, name, getattr(_metrics, name) + int(value))
+    def set_gauges(self, **values: int) -> None:
+        with self._lock:
+            for name, value in values.items():
+                setattr(self._metrics, name, int(value))
 
-
-def set_gauges(**values: int) -> None:
-    with _lock:
-        for name, value in values.items():
-            setattr(_metrics, name, int(value))
-
-
-def reset() -> None:
-    global _metrics
-    with _lock:
-        _metrics = PluginMetrics()
-
-
-def write(path: str) -> None:
-    """Atomically replace ``path`` with the counters as JSON."""
-    data = asdict(metrics())
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    def write(self, path: str) -> None:
+        """Atomically replace ``path`` with the counters as JSON."""
+        data = asdict(self.snapshot())
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
 
 
 def read_metrics(path: str | os.PathLike) -> PluginMetrics:

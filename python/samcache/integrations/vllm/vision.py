@@ -15,10 +15,17 @@ import types
 
 import torch
 
-from samcache.integrations.vllm import metrics
 from samcache.ops import full_attention
 
 MIN_KERNEL_ROWS = 512
+
+
+def _count_kernel_sequence() -> None:
+    from samcache.integrations.vllm.connector import active_worker
+
+    worker = active_worker()  # the engine whose model this is: vLLM's KV connector of this process
+    if worker is not None:
+        worker.metrics.update(vit_kernel_sequences=1)
 
 
 def _forward_sdpa(self, query, key, value, cu_seqlens=None):
@@ -37,7 +44,7 @@ def _forward_sdpa(self, query, key, value, cu_seqlens=None):
     for q, k, v in zip(query.split(lens, 1), key.split(lens, 1), value.split(lens, 1)):
         if q.size(1) >= MIN_KERNEL_ROWS:
             outs.append(full_attention(q[0], k[0], v[0], scale=self.scale)[None])
-            metrics.update(vit_kernel_sequences=1)
+            _count_kernel_sequence()
         else:
             outs.append(apply_sdpa(q, k, v, scale=self.scale, enable_gqa=self.num_heads > self.num_kv_heads))
     output = torch.cat(outs, dim=1)
