@@ -6,7 +6,7 @@ BUILD := build/cmake
 NVCC := $(shell command -v nvcc 2>/dev/null)
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: test demo vqa168 install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest bench gpu-prep gpu clean
+.PHONY: test demo vqa168 install venv vllm-env vllm-plugin sglang-env sglang-plugin sysdeps cuda-check ctest pytest pytest-core pytest-peers bench gpu-prep gpu clean
 
 venv: .venv/.ready
 .venv/.ready: Makefile | sysdeps
@@ -121,11 +121,10 @@ endif
 ctest: install
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
-# SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when vLLM's environment is missing.
 # Each suite runs on PYTEST_WORKERS pytest-xdist workers: most of its time is single-threaded (Python,
-# the start-up of vLLM's engine-core and worker processes), so two workers on two cores come close to
-# halving it. --dist loadfile keeps a file's module fixtures on one worker; the vLLM plugin's tests
-# name the groups that share a vLLM engine (xdist_group).
+# the start-up of vLLM's engine), so two workers on two cores come close to halving it.
+# --dist loadfile keeps a file's module fixtures on one worker; the vLLM plugin's tests name the
+# groups that share a vLLM engine (xdist_group).
 PYTEST_WORKERS ?= 2
 XDIST = -n $(PYTEST_WORKERS)
 TEST_TOOLS := pytest pytest-xdist hypothesis
@@ -134,22 +133,28 @@ TEST_TOOLS := pytest pytest-xdist hypothesis
 %/.test-tools: %/.ready Makefile
 	$(@D)/bin/python -m pip install -q --disable-pip-version-check -c $(@D)/constraints.txt $(TEST_TOOLS)
 	touch $@
-pytest: install vllm-env vllm-plugin sglang-env sglang-plugin .venv-vllm/.test-tools .venv-sglang/.test-tools
+MAIN_SUITE = $(PY) -m pytest -q $(XDIST) --dist loadfile tests --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin
+# The main suite's tests that need no peer environment (marker `peers`): `make test` runs them while
+# the peers' environments are still being built.
+pytest-core: install
+	$(MAIN_SUITE) -m "not peers"
+# SAMCACHE_REQUIRE_PEERS: the peer tests fail (not skip) when a peer's environment is missing.
+pytest-peers: install vllm-env vllm-plugin sglang-env sglang-plugin .venv-vllm/.test-tools .venv-sglang/.test-tools
 	SAMCACHE_REQUIRE_PEERS=1 SAMCACHE_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) SAMCACHE_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_PY) \
-	  $(PY) -m pytest -q $(XDIST) --dist loadfile tests \
-	  --ignore=tests/vllm_plugin --ignore=tests/sglang_plugin
+	  $(MAIN_SUITE) -m peers
 	@# samcache's vLLM plugin, end to end through the real vLLM: in vLLM's environment
 	$(VLLM_PY) -m pytest -q $(XDIST) --dist loadgroup tests/vllm_plugin
 	@# samcache's SGLang plugin, on SGLang's real classes: in SGLang's environment
 	$(SGLANG_PY) -m pytest -q $(XDIST) --dist loadfile -p no:warnings tests/sglang_plugin
+pytest: pytest-core pytest-peers
 
 # The set-up steps do not depend on one another (downloads into three environments, three builds,
-# the CUDA compile check, the C++ tests): they run side by side, each one's output printed as a
-# whole when it ends. Then the Python suites.
+# the CUDA compile check, the C++ tests, the tests that need no peer): they run side by side, each
+# one's output printed as a whole when it ends. Then the tests with the peers.
 test:
-	$(MAKE) --no-print-directory --jobs=4 --output-sync=target cuda-check ctest vllm-plugin sglang-plugin \
+	$(MAKE) --no-print-directory --jobs=4 --output-sync=target cuda-check ctest pytest-core vllm-plugin sglang-plugin \
 	  .venv-vllm/.test-tools .venv-sglang/.test-tools
-	$(MAKE) --no-print-directory pytest
+	$(MAKE) --no-print-directory pytest-peers
 
 bench: install
 	$(BUILD)/samcache_bench_core

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.peers]
 
 from samcache.bench.benchmark import run_benchmark  # noqa: E402
 from samcache.engine import SAMcacheEngine  # noqa: E402

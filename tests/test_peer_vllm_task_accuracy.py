@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.peers]
 
 
 def test_task_accuracy_through_the_real_vllm_with_and_without_the_plugin(tiny_checkpoints, vllm_python, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 
 from needs import need_file
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.peers]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "eval_sglang_plugin.py"
