@@ -173,7 +173,7 @@ demo: install
 	  --preset small --out bench/out/demo-gui
 
 # The repair table's second model, 36 tokens an image (docs/benchmark.md, "A model with 4x the tokens
-# per image"): fine-tuned from the shipped checkpoint at 168x168, about 90 minutes on 2 cores.
+# per image"): fine-tuned from the shipped checkpoint at 168x168, about 70 minutes on 2 cores.
 VQA168 := --vision-steps 0 --images 4 --evidence --answer-weight 4 --image-size 168 168 --eval-examples 48 --threads 2
 vqa168: runs/vqa168b/model.safetensors
 runs/vqa168b/model.safetensors: | install
