@@ -17,7 +17,7 @@ venv: .venv/.ready
 	@# Later installs must never replace this torch (e.g. by a CUDA build pulled in as a dependency).
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
-	  pytest pytest-xdist hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard \
+	  pytest pytest-xdist hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard "peft==0.21.2" \
 	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5" "triton==3.6.0"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@

@@ -144,7 +144,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="samcache-agent-memory-"))
     model = args.model or build_tiny_model("qwen2_5_vl", work / "model", seed=args.seed)
-    engine = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=256 << 20)
+    engine = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=256 << 20,
+                            keep_image_order=False)
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
         "model": str(args.model or "tiny random Qwen2.5-VL (build_tiny_model, seed %d)" % args.seed),

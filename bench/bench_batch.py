@@ -125,7 +125,8 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     model = args.model or build_preset("qwen2_5_vl", args.preset, pathlib.Path(tempfile.mkdtemp()) / "model")
     size = tuple(args.image_size)
-    common = dict(device="cpu", kv_cache_bytes=args.kv_cache_mib << 20, recompute_budget="uniform")
+    common = dict(device="cpu", kv_cache_bytes=args.kv_cache_mib << 20, recompute_budget="uniform",
+                  keep_image_order=False)  # random weights: reuse at any index, said explicitly
     alone = SAMcacheEngine(model, **common)
     batched = SAMcacheEngine(model, **common, share_weights_with=alone)
     with warnings.catch_warnings():

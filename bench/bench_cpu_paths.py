@@ -50,7 +50,7 @@ def main() -> None:
     from samcache.random_checkpoints import build_preset
 
     model = args.model or build_preset("qwen2_5_vl", "small", pathlib.Path(tempfile.mkdtemp()) / "small")
-    engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=1 << 20)
+    engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=1 << 20, keep_image_order=False)
     image = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)
     inputs = engine.processor.image_processor(images=[image], return_tensors="pt", input_data_format="channels_last")
     r = engine.runner

@@ -40,6 +40,7 @@ from samcache.bench.workloads import make_trace
 
 def _engine(model, args, **kw) -> SAMcacheEngine:
     return SAMcacheEngine(model, device="cpu", recompute_budget="uniform", kv_cache_bytes=args.pool_mib << 20,
+                          keep_image_order=False,
                           prefix_cache=False, recompute_tracks=args.recompute_tracks, **kw)
 
 

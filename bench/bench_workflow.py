@@ -59,7 +59,7 @@ def make_trace(workflows: int, rounds: int, role_words: int, image_size: tuple[i
 
 
 def run_policy(model, policy: str, num_blocks: int | None, openings, turns, args) -> dict:
-    engine = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", eviction_policy=policy,
+    engine = SAMcacheEngine(model, device="cpu", recompute_budget="uniform", eviction_policy=policy, keep_image_order=False,
                             prefix_reuse=args.prefix_reuse,
                             **({"num_blocks": num_blocks} if num_blocks else {"kv_cache_bytes": 512 << 20}))
     engine.warm_up()

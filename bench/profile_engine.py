@@ -48,6 +48,7 @@ def main() -> None:
              "prefix": dict(image_kv_cache=False)}
     for name, kwargs in modes.items():
         engine = SAMcacheEngine(model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
+                                keep_image_order=False,
                                 **kwargs)
         engine.chat(messages=conversation("You operate a computer.", images, "Here is the screen."), max_new_tokens=1)
 

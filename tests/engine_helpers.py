@@ -6,8 +6,11 @@ SIZE = (112, 168)  # small screenshots: 24-90 image tokens each on the tiny mode
 
 
 def make_engine(path, **kw):
-    """An engine for tests: CPU, a 16 MiB pool, the uniform budget unless told otherwise."""
+    """An engine for tests: CPU, a 16 MiB pool, the uniform budget and reuse at any index unless told otherwise."""
     kw.setdefault("recompute_budget", "uniform")
+    # Random weights carry no image order to protect: these tests exercise reuse at any index, so they
+    # say so (without a profile the engine keeps the order: tests/test_reuse_profile.py).
+    kw.setdefault("keep_image_order", False)
     if "num_blocks" not in kw:
         kw.setdefault("kv_cache_bytes", 16 << 20)
     kw.setdefault("device", "cpu")

@@ -217,7 +217,7 @@ def test_keep_image_order_auto_follows_the_calibrations_image_order_check(checkp
     a, b = shots(14, 15)
 
     def swapped_hits(**kw) -> int:
-        engine = make_engine(path, **kw)
+        engine = make_engine(path, **{"keep_image_order": "auto", **kw})
         engine.chat(messages=messages("First.", [a, b], "Look."), max_new_tokens=1)
         hits = engine.chat(messages=messages("Another system prompt.", [b, a], "Now?"), max_new_tokens=1).metrics.image_kv_hits
         assert_clean(engine)
@@ -228,9 +228,9 @@ def test_keep_image_order_auto_follows_the_calibrations_image_order_check(checkp
     assert swapped_hits(recompute_ratio=0.5, **layer_aware) == 2  # the check's uniform rates at 0.5: repaired
     assert swapped_hits(recompute_ratio=0.2, recompute_budget="uniform", sensitivity=curves) == 2
     assert swapped_hits(recompute_ratio=0.2, keep_image_order=False, **layer_aware) == 2  # told, not auto
-    with pytest.warns(UserWarning, match="reused at any index"):
-        assert swapped_hits(recompute_ratio=0.2, recompute_budget="layer-aware") == 2  # no curves: any index
-    engine = make_engine(path, recompute_ratio=0.2, **layer_aware)
+    # No curves and no profile: the order is kept (exact), nothing is reused at another index.
+    assert swapped_hits(recompute_ratio=0.2, recompute_budget="layer-aware") == 0
+    engine = make_engine(path, recompute_ratio=0.2, keep_image_order="auto", **layer_aware)
     assert [engine.keeps_image_order(r) for r in (0.0, 0.2, 0.5, 1.0)] == [True, True, False, False]
     assert engine.request_options().keep_image_order and not engine.request_options(1.0).keep_image_order
     with pytest.raises(ValueError, match="recompute_ratio"):

@@ -170,7 +170,8 @@ def test_bad_chat_arguments_are_clear_errors(path):
 
 
 def test_image_only_turns_and_warnings_that_point_at_the_caller(path, tmp_path):
-    engine = SAMcacheEngine(path, device="cpu", kv_cache_bytes=16 << 20)  # layer-aware, not calibrated
+    engine = SAMcacheEngine(path, device="cpu", kv_cache_bytes=16 << 20,  # layer-aware, not calibrated
+                            keep_image_order=False)  # random weights: reuse at any index, said explicitly
     engine.chat(images=[screenshot(90, SIZE)], prompt="first", max_new_tokens=1)
     with pytest.warns(UserWarning, match="no sensitivity curves") as caught:
         r = engine.chat(images=[screenshot(91, SIZE), screenshot(90, SIZE)], max_new_tokens=1)  # no text at all

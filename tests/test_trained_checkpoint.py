@@ -119,7 +119,7 @@ def test_calibration_finds_that_the_trained_model_needs_its_images_in_order():
                             dense=True)
     assert reordered_turns(trace) == [False, False, True]  # the third turn shows the second screenshot first
     engine = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20)
-    assert engine.keep_image_order == "auto" and not engine.keeps_image_order()  # no calibration yet
+    assert engine.keep_image_order == "auto" and engine.keeps_image_order()  # no calibration yet: the order is kept
     curves = engine.calibrate(requests=calibration_pairs([trace]), rates=(0.0, 0.05, 1.0),
                               continuation=max(t.max_new_tokens for t in trace), progress=False)
     order = curves.image_order

@@ -326,10 +326,10 @@ def test_plugin_settings_take_curves_and_the_order_setting(tmp_path, caplog):
     assert cfg.layer_rates(3) == (0.2, 0.1, 0.0)  # as the engine solves them
     assert not SamcacheVllmConfig.from_extra_config({"sensitivity": str(path), "keep_image_order": False}
                                                     ).keeps_image_order(3)
-    assert not any("without sensitivity curves" in r.getMessage() for r in caplog.records)
-    with caplog.at_level(logging.WARNING, logger="samcache"):
-        assert not SamcacheVllmConfig.from_extra_config({}).keeps_image_order(3)  # auto without curves: any index
-    assert [r.levelname for r in caplog.records if "without sensitivity curves" in r.getMessage()] == ["WARNING"]
+    assert not any("no reuse profile or curves" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.INFO, logger="samcache"):
+        assert SamcacheVllmConfig.from_extra_config({}).keeps_image_order(3)  # auto without curves: order kept
+    assert [r.levelname for r in caplog.records if "no reuse profile or curves" in r.getMessage()] == ["INFO"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="samcache"):
         assert SamcacheVllmConfig.from_extra_config({"keep_image_order": True}).keeps_image_order(3)

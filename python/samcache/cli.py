@@ -124,6 +124,7 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, progress=not args.quiet,
             command=command, model_note=note, repeat=args.repeat, threads=args.threads, vllm_python=args.vllm_python,
             peer_log_dir=out, methods=args.methods,
+            engine_kwargs={"image_attention": args.image_attention} if args.image_attention else None,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, no peer environment, ...
         print(f"samcache bench: {e}", file=sys.stderr)
@@ -151,6 +152,54 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
 
 #: ``--keep-image-order`` choices and the engine's values for them.
 _ORDER_CHOICES = {"auto": "auto", "true": True, "false": False}
+
+
+def _adapt(args) -> int:
+    from samcache.tasks.adapt import adapt, config_of
+
+    try:
+        record = adapt(args.model, args.out, config_of(args), resume=args.resume, progress=not args.quiet)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"samcache adapt: {e}", file=sys.stderr)
+        return 2
+    last = (record["curve"] or [{}])[-1]
+    scores = ", ".join(f"{k} {v:.1%}" for k, v in last.items() if k.startswith(("answers", "description")))
+    print(f"wrote {args.out} ({record['seconds'] / 60:.1f} min){': held-out ' + scores if scores else ''}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from samcache.engine import SAMcacheEngine
+    from samcache.engine.calibration import CALIBRATION_CONTINUATION
+
+    try:
+        engine = SAMcacheEngine(args.model, device=args.device, profile=False)  # a stale profile is replaced
+        if not engine.image_attention.isolated:
+            requests = None
+            if args.scenario is not None:
+                from samcache.bench.task_accuracy import CALIBRATION_OFFSET, calibration_pairs, training_defaults
+                from samcache.tasks import visual_qa
+
+                check_int("traces", args.traces, 1)
+                trained = training_defaults(args.model)
+                size = trained.get("size", visual_qa.DEFAULT_SIZE)
+                traces = [visual_qa.trace(visual_qa.split_seed("test", CALIBRATION_OFFSET + i, 0), scenario=args.scenario,
+                                          size=size, dense=trained.get("dense", False)) for i in range(args.traces)]
+                requests = calibration_pairs(traces)
+            engine.calibrate(requests=requests, continuation=args.continuation or CALIBRATION_CONTINUATION,
+                             progress=not args.quiet)
+        path = engine.save_profile(args.out)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"samcache calibrate: {e}", file=sys.stderr)
+        return 2
+    profile = engine.profile
+    print(f"wrote {path}: image attention {profile.image_attention.name}")
+    if profile.keep_order:
+        kept = ", ".join(f"{r:g}: {'kept' if k else 'any index'}" for r, k in profile.keep_order.items())
+        print(f"image order at each recompute ratio: {kept}")
+    else:
+        print("images are reused at any index, exactly (nothing recomputed)")
+    return 0
 
 
 def _eval(args) -> int:
@@ -262,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
     p.add_argument("--version", action="version", version=f"samcache {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,report,eval}")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,eval,calibrate,adapt,report}")
     b = sub.add_parser("bench", help="run an agent workload benchmark",
                        description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
@@ -298,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fidelity-tokens", type=int, default=4)
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
     b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
+    b.add_argument("--image-attention", default=None, metavar="NAME",
+                   help="serve the model with this image attention (causal, isolated: every image computed alone and "
+                        "reused at any index exactly; default: what the checkpoint declares)")
     b.add_argument("--kv-cache-mib", type=int, default=None,
                    help="KV pool per engine, image KV included (default 256 CPU, 2048 CUDA)")
     b.add_argument("--threads", type=int, default=None,
@@ -353,6 +405,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="folder for results.json")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_eval)
+    c = sub.add_parser("calibrate", help="write a model's reuse profile (image attention, curves, order decision)",
+                       description="Measure how a model's answers react to reused image KV and write its reuse "
+                                   "profile (samcache_profile.json in the model's folder, or --out): every engine "
+                                   "that loads the model (samcache's, the vLLM and SGLang plugins) reads it. A model "
+                                   "whose images attend in isolation needs no measurement: its profile says so.")
+    c.add_argument("model", help="checkpoint directory")
+    c.add_argument("--out", default=None, help="profile path or folder (default: the model's folder)")
+    c.add_argument("--scenario", default=None, choices=list(SCENARIO_KINDS),
+                   help="calibrate on held-out visual-QA traces of this scenario (a model trained on "
+                        "samcache.tasks.visual_qa); default: synthetic screenshots shown twice")
+    c.add_argument("--traces", type=int, default=2, help="with --scenario: calibration traces (default 2)")
+    c.add_argument("--continuation", type=int, default=None, metavar="N",
+                   help="reply tokens the calibration's loss covers (default: the whole reply)")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=_calibrate)
+    a = sub.add_parser("adapt", help="fine-tune a checkpoint to isolated image attention (exact reuse at any index)",
+                       description="Fine-tune an existing Qwen2.5-VL-style checkpoint so that each image's tokens "
+                                   "attend only to the image (and the prompt's first token): its KV then does not "
+                                   "depend on its context, and samcache reuses it anywhere exactly. Writes the "
+                                   "checkpoint, its training record (adapt.json) and its reuse profile.")
+    from samcache.tasks.adapt import add_arguments
+
+    add_arguments(a)
+    a.set_defaults(func=_adapt)
     r = sub.add_parser("report", help="rebuild report.md and the plots from results.json")
     r.add_argument("results", help="a results.json, or the folder of a run that holds one")
     r.add_argument("--out", help="output folder (default: the folder of results.json)")

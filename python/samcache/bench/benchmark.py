@@ -318,7 +318,8 @@ def run_benchmark(
             for k in (keeps if not MODES[m].new_content_only else [None])]
     curves = None
     meta: dict[str, Any] = {}
-    if any(MODES[m].reads_curves for m, _, _, _ in runs) and calibrate:
+    # An isolated model's image KV is exact at any index: there is nothing to calibrate.
+    if any(MODES[m].reads_curves for m, _, _, _ in runs) and calibrate and not shared.image_attention.isolated:
         probe = SAMcacheEngine(model_path, **base)
         t0 = time.perf_counter()
         curves = probe.calibrate(progress=progress)

@@ -159,7 +159,7 @@ def evaluate_traces(model_path, traces: Sequence[Sequence[Any]], *, modes: Seque
     wants_curves = [k for m, _, _, k in runs if MODES[m].reads_curves or m == "vllm-samcache"]
     for method in dict.fromkeys(wants_curves):
         curves_of[method] = given
-        if given is None and calibrate:
+        if given is None and calibrate and not shared.image_attention.isolated:  # isolated: nothing to calibrate
             requests = None if calibration_traces is None else calibration_pairs(calibration_traces)
             engine = shared if method is None else SAMcacheEngine(
                 model_path, device=device, kv_cache_bytes=1 << 20, share_weights_with=shared, recompute_method=method,

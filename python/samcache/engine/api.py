@@ -42,6 +42,10 @@ from samcache.engine.config import (CacheConfig, CompressionConfig, EngineConfig
 from samcache.engine.executor import Executor, Prepared, RequestOptions
 from samcache.engine.fidelity import measure_fidelity
 from samcache.families import detect_family
+from samcache.engine.isolated_images import IsolatedImages
+from samcache.profile.image_attention import ImageAttention
+from samcache.profile.image_attention import declared as declared_image_attention
+from samcache.profile.reuse_profile import ReuseProfile, find_profile, make_profile, read_profile, write_profile
 from samcache.engine.images import ImageGeometry, TileGeometry, prepare_image, preprocess_params
 from samcache.engine.loading import load_processor, model_fingerprint, resolve_device, resolve_dtype
 from samcache.engine.metrics import TurnMetrics
@@ -164,10 +168,19 @@ class SAMcacheEngine:
     ``keep_image_order=True`` reuses an image's KV only where the image keeps its index among the
     prompt's images (first stays first): for models that write an image's order into its KV, where
     reuse at another index misleads them whatever the recompute ratio (docs/design.md); a moved
-    image is prefilled again from its cached ViT output. ``"auto"`` (default) lets the calibration
-    decide (:meth:`keeps_image_order`): it keeps the order where reuse at another index, at this
+    image is prefilled again from its cached ViT output. ``"auto"`` (default) lets the model decide
+    (:meth:`keeps_image_order`): a model whose images attend in isolation is reused at any index
+    (exact); otherwise the calibration keeps the order where reuse at another index, at this
     engine's recompute ratio, changed more than 1 in 100 of the reference's confident tokens
-    (``SensitivityCurves.image_order``); before calibration, images are reused at any index.
+    (``SensitivityCurves.image_order``), and without a calibration (no profile, no curves) the
+    order is kept: exact, never silently approximate.
+
+    The model: ``image_attention`` (None: what the checkpoint declares in its config.json,
+    :mod:`samcache.profile.image_attention`): with isolated image attention every image is computed
+    alone and spliced, first sight included, and reused anywhere with nothing recomputed.
+    ``profile``: the model's reuse profile (:mod:`samcache.profile.reuse_profile`; None: the
+    ``samcache_profile.json`` in the checkpoint's folder, if any; False: none), whose curves serve
+    where ``sensitivity`` is not given; a profile of another checkpoint is refused.
 
     Memory: ``kv_cache_bytes`` sizes the paged KV pool. Images' KV stays in the pool's blocks
     (held once, never copied beside them), at most ``image_kv_cache_bytes`` of it (default: the
@@ -255,6 +268,10 @@ class SAMcacheEngine:
         eos = getattr(self.runner.model.generation_config, "eos_token_id", None) or cfg.text_config.eos_token_id
         self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
+        self.image_attention = self._image_attention(recompute.image_attention)
+        # The checkpoint's config (in the fingerprint) declares its attention; another one is another KV.
+        if self.image_attention != declared_image_attention(self.model_path):
+            fingerprint = f"{fingerprint}|image-attention={self.image_attention.name}"
         self.model_id = cache.model_id or fingerprint
         self.tenant = cache.tenant
         self.use_prefix = cache.use_prefix
@@ -263,7 +280,10 @@ class SAMcacheEngine:
         self.prefix_reuse = cache.prefix_reuse
         self.recompute_ratio = recompute.ratio
         self.recompute_budget = recompute.budget
+        self.profile = self._load_profile(recompute.profile)
         self.sensitivity = self._load_sensitivity(recompute.sensitivity)
+        if self.sensitivity is None and self.profile is not None:
+            self.sensitivity = self.profile.curves
         self._warned_uniform = False
         self._solved: dict = {}
         self._build_stores(cache, tiers)
@@ -311,8 +331,10 @@ class SAMcacheEngine:
         prefix_tier = (PrefixTier(tiers.host_prefix_cache_bytes, disk=prefix_disk, remote=prefix_remote,
                                   namespace=disk_namespace)
                        if tiers.host_prefix_cache_bytes and self.use_prefix else None)
+        isolated = (IsolatedImages(self.image_attention, self.image_token_id, int(self.runner.config.vision_start_token_id),
+                                   self.geometry.merge_size) if self.image_attention.isolated else None)
         self.executor = Executor(self.runner, self.pool, self.vit, image_kv_store=self.image_kv_store,
-                                 contexts=self.contexts, prefix_tier=prefix_tier)
+                                 contexts=self.contexts, prefix_tier=prefix_tier, isolated=isolated)
 
     # ---- public API ---------------------------------------------------------------------------
     def new_session(self, system: str | None = None, *, tenant: str | None = None, hold_context: bool = False
@@ -558,7 +580,7 @@ class SAMcacheEngine:
         """The cache switches and recompute budget of this engine's requests."""
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
         budget = None
-        if self.use_image_kv and ratio > 0:
+        if self.use_image_kv and ratio > 0 and not self.image_attention.isolated:  # isolated: nothing to repair
             budget = self.recompute_budget_for(self.layer_budget(ratio).rates)
         return RequestOptions(use_prefix=self.use_prefix, use_image_kv=self.use_image_kv,
                               register_prefix=self.use_prefix, approximate_prefix=self.prefix_reuse == "approximate",
@@ -567,13 +589,33 @@ class SAMcacheEngine:
                               keep_image_order=self.keeps_image_order(ratio),
                               isolated_images=self.use_image_kv and self.repair.isolated)
 
+    def _image_attention(self, given) -> ImageAttention:
+        """How this engine's model attends to images: ``given`` (a name or an ImageAttention),
+        else what the checkpoint declares; checked against the model."""
+        if given is None:
+            attention = declared_image_attention(self.model_path)
+        else:
+            attention = given  # RecomputeConfig parsed a name
+        attention.check_depth(self.runner.num_layers)
+        if attention.isolated:
+            if self.family.vision_input == "tiles":
+                raise ValueError(f"image_attention={attention.name!r}: isolated image attention is defined for "
+                                 f"M-RoPE (Qwen-VL) models, not {self.family.name}")
+            if self.compression is not None:
+                raise ValueError(f"image_attention={attention.name!r} does not combine with compression_enabled=True")
+            if attention.context_layers:
+                raise ValueError(f"image_attention={attention.name!r}: serving images isolated in the lower layers "
+                                 "only (top k in context) is not supported yet; serve a fully isolated checkpoint")
+        return attention
+
     def keeps_image_order(self, recompute_ratio: float | None = None) -> bool:
         """Whether requests at ``recompute_ratio`` (default: the engine's) reuse an image's KV only
         at its own index among the prompt's images: ``keep_image_order`` itself, or with ``"auto"``
         what the calibration's image-order check found for the rates this engine serves at that
         ratio (:meth:`SensitivityCurves.image_order.keeps_order`); False without one."""
         ratio = self.recompute_ratio if recompute_ratio is None else recompute_ratio
-        return keeps_image_order(self.keep_image_order, self.sensitivity, ratio, self.recompute_budget)
+        return keeps_image_order(self.keep_image_order, self.sensitivity, ratio, self.recompute_budget,
+                                 isolated=self.image_attention.isolated)
 
     def _compression_settings(self, config: CompressionConfig) -> CompressionSettings | None:
         """Checked compression settings (None when off). Compression scores visual tokens with
@@ -664,7 +706,8 @@ class SAMcacheEngine:
             for i, (adm, history), out in zip(where, admitted, done):
                 if self.priorities is not None and not isinstance(out, BaseException):
                     images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index],
-                                                                                 adm.options.compression))
+                                                                                 adm.options.compression,
+                                                                                 prompt=adm.prompt))
                               for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
                     self.priorities.record(requests[i].agent, images, out.blocks, out.attention)
                 results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
@@ -678,8 +721,8 @@ class SAMcacheEngine:
                 self.executor.tiers.prefix_tier.flush()
             reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
             if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
-                order = (" and (keep_image_order='auto') images are reused at any index"
-                         if self.keep_image_order == "auto" else "")
+                order = (" and (keep_image_order='auto') images are reused only at their own index"
+                         if self.keep_image_order == "auto" and not self.image_attention.isolated else "")
                 warnings.warn(f"no sensitivity curves for this model yet: the recompute budget is uniform across layers{order} "
                               "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3)  # chat's caller
                 self._warned_uniform = True
@@ -707,7 +750,8 @@ class SAMcacheEngine:
                 seen.add(slot.key)
                 # Local tiers are asked without I/O; the shared store only from the worker.
                 if lower.remote is not None or lower.holds(slot.key):
-                    items.append((adm.namespace, slot.key, self.executor.kv_check(adm.prompt.images[slot.index], None)))
+                    items.append((adm.namespace, slot.key, self.executor.kv_check(adm.prompt.images[slot.index], None,
+                                                                                        prompt=adm.prompt)))
         return len(lower.prefetch(items))
 
     def _result(self, req: ChatRequest, adm: Admission, history: list[dict], out: Finished) -> ChatResult:
@@ -743,6 +787,23 @@ class SAMcacheEngine:
             )
 
     # ---- the layer-aware budget ---------------------------------------------------------------
+    def _load_profile(self, given) -> ReuseProfile | None:
+        """The model's reuse profile: ``given`` (a path or a ReuseProfile), else the one in the
+        checkpoint's folder; checked against the checkpoint (fingerprint, image attention, depth)."""
+        if given is None:
+            return find_profile(self.model_path, num_layers=self.runner.num_layers)
+        if given is False:
+            return None
+        if isinstance(given, ReuseProfile):
+            digest = self._weights_digest
+            if given.fingerprint != digest:
+                raise ValueError(f"profile was made for checkpoint {given.fingerprint}, but {self.model_path} is {digest}")
+            if given.curves is not None and given.curves.num_layers != self.runner.num_layers:
+                raise ValueError(f"profile curves have {given.curves.num_layers} layers, the model has "
+                                 f"{self.runner.num_layers}")
+            return given
+        return read_profile(given, self.model_path, num_layers=self.runner.num_layers)
+
     def _load_sensitivity(self, sensitivity) -> SensitivityCurves | None:
         if sensitivity is None or isinstance(sensitivity, SensitivityCurves):
             if sensitivity is not None and sensitivity.num_layers != self.runner.num_layers:
@@ -771,6 +832,10 @@ class SAMcacheEngine:
         tokens in); ``check``: measure the solved rates against uniform ones end to end (where
         uniform ones were better, the engine uses them). ``save`` writes the curves as JSON (load them with ``sensitivity=path``)."""
 
+        if self.image_attention.isolated:
+            raise ValueError(f"{self.model_path} attends to images in isolation ({self.image_attention.name}): its "
+                             "image KV is reused exactly at any index, there is nothing to calibrate "
+                             "(save_profile() writes its profile)")
         with self._lock:
             curves = Calibrator(self).run(images, requests=requests, rates=rates, continuation=continuation,
                                           check=check, progress=progress)
@@ -778,6 +843,18 @@ class SAMcacheEngine:
             if save is not None:
                 pathlib.Path(save).write_text(json.dumps(curves.to_dict(self.model_id), indent=1), encoding="utf-8")
             return curves
+
+    def save_profile(self, path: str | os.PathLike | None = None) -> pathlib.Path:
+        """Write this model's reuse profile (:mod:`samcache.profile.reuse_profile`: its fingerprint,
+        image attention, the curves this engine serves with and the order decision at their probe
+        rates) into the checkpoint's folder, or to ``path``; every engine loading the model reads it."""
+        if self.image_attention != declared_image_attention(self.model_path):
+            raise ValueError(f"this engine serves image attention {self.image_attention.name}, but the checkpoint "
+                             f"declares {declared_image_attention(self.model_path).name}: a profile describes the "
+                             "checkpoint as it is declared")
+        profile = make_profile(self.model_path, self.sensitivity, self.image_attention)
+        self.profile = profile
+        return write_profile(profile, self.model_path if path is None else path)
 
     def __repr__(self) -> str:
         return (f"SAMcacheEngine({self.family.name}, {self.device}, {self.dtype}, pool={self.pool.num_blocks}x"

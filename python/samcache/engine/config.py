@@ -17,6 +17,8 @@ from typing import Any
 from samcache._checks import check_fraction, check_int
 from samcache.compression.settings import DEFAULT_KEEP
 from samcache.policies import POLICIES, EvictionPolicy, make_policy
+from samcache.profile.image_attention import ImageAttention
+from samcache.profile.reuse_profile import ReuseProfile
 from samcache.recompute import SensitivityCurves
 from samcache.recompute.method import RepairMethod
 from samcache.recompute.methods import repair_method
@@ -80,7 +82,11 @@ class CacheConfig:
 class RecomputeConfig:
     """How reused image KV is repaired: the mean share of its tokens recomputed a layer, how that
     share is split across layers, which tokens (the repair method, docs/design.md "Repair
-    methods") and where an image's KV may be reused at all (``keep_image_order``)."""
+    methods") and where an image's KV may be reused at all (``keep_image_order``). The model's side
+    of that: ``image_attention`` (None: what the checkpoint declares; a name or an
+    :class:`~samcache.profile.image_attention.ImageAttention` overrides it) and its reuse
+    ``profile`` (None: the one in the checkpoint's folder; False: none; a path or a
+    :class:`~samcache.profile.reuse_profile.ReuseProfile`)."""
 
     ratio: float = 0.05
     budget: str = "layer-aware"
@@ -91,9 +97,20 @@ class RecomputeConfig:
     tracks: str = "both"
     relevance: str = "attention"
     keep_image_order: bool | str = "auto"
+    image_attention: str | ImageAttention | None = None
+    profile: str | os.PathLike | ReuseProfile | bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_fraction("recompute_ratio", self.ratio))
+        if isinstance(self.image_attention, str):
+            object.__setattr__(self, "image_attention", ImageAttention.parse(self.image_attention))
+        elif self.image_attention is not None and not isinstance(self.image_attention, ImageAttention):
+            raise TypeError(f"image_attention must be a name, an ImageAttention or None, got "
+                            f"{type(self.image_attention).__name__}")
+        if self.profile is True or not (self.profile is None or self.profile is False
+                                        or isinstance(self.profile, (str, os.PathLike, ReuseProfile))):
+            raise TypeError(f"profile must be a path, a ReuseProfile, False (none) or None (the checkpoint's), "
+                            f"got {self.profile!r}")
         if self.budget not in BUDGETS:
             raise ValueError(f"recompute_budget must be 'layer-aware' or 'uniform', got {self.budget!r}")
         if self.relevance not in ("attention", "routing"):
@@ -205,6 +222,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "recompute_tracks": ("recompute", "tracks"),
     "recompute_relevance": ("recompute", "relevance"),
     "keep_image_order": ("recompute", "keep_image_order"),
+    "image_attention": ("recompute", "image_attention"),
+    "profile": ("recompute", "profile"),
     "compression_enabled": ("compression", "enabled"),
     "compression_keep": ("compression", "keep"),
     "compression_layers": ("compression", "layers"),

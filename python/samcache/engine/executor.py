@@ -48,6 +48,7 @@ from samcache.engine.prompt import ImageSpan, Prompt
 from samcache.engine.runner import ModelRunner
 from samcache.engine.tier_io import TierIO, TierLoad
 from samcache.engine.compressed_kv import CompressedKV
+from samcache.engine.isolated_images import IsolatedImages
 from samcache.engine.vit_chain import VitChain
 from samcache.errors import OutOfBlocks, PromptTooLong
 from samcache.hashing import ContentKey, Namespace
@@ -78,7 +79,8 @@ class RequestOptions:
     only where the image keeps its place (for models that write an image's order into its KV; an
     image that moved to another place is prefilled again, from its cached ViT output).
     ``isolated_images``: the KV kept of a new image is computed again without left context (repair
-    method ``isolated``).
+    method ``isolated``). ``image_segment``: the prompt is one image's side sequence of an isolated
+    model (:class:`~samcache.engine.isolated_images.IsolatedImages`), computed as it stands.
     """
 
     use_prefix: bool = True
@@ -94,10 +96,11 @@ class RequestOptions:
     relevance: str = "attention"
     keep_image_order: bool = False
     isolated_images: bool = False
+    image_segment: bool = False
 
     def __post_init__(self) -> None:
         for name in ("use_prefix", "use_image_kv", "register_prefix", "approximate_prefix", "store_images",
-                     "use_vit", "store_vit", "keep_image_order", "isolated_images"):
+                     "use_vit", "store_vit", "keep_image_order", "isolated_images", "image_segment"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RequestOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.budget is not None and not isinstance(self.budget, RecomputeBudget):
@@ -136,8 +139,10 @@ class Executor:
     prefix cache) and the stores (ViT outputs, image KV)."""
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, vit: VitChain, *, image_kv_store: ImageKVStore,
-                 contexts: ContextTree | None = None, prefix_tier: PrefixTier | None = None) -> None:
+                 contexts: ContextTree | None = None, prefix_tier: PrefixTier | None = None,
+                 isolated: IsolatedImages | None = None) -> None:
         self.runner = runner
+        self.isolated = isolated  # a model whose images attend in isolation: every image computed alone
         self.pool = pool
         self.vit = vit  # ViT outputs: device, host, disk, the shared store
         self.image_kv_store = image_kv_store
@@ -168,10 +173,15 @@ class Executor:
             return namespace
         return Namespace(namespace.model_id + "\x00approximate-prefix", namespace.tenant)
 
-    def kv_check(self, span, compression: CompressionSettings | None = None) -> tuple:
-        """What an image's KV record must match: its grid, token count and the model's depth, and
-        for a compressed record the compression settings it was made with."""
+    def kv_check(self, span, compression: CompressionSettings | None = None, *, prompt: Prompt | None = None) -> tuple:
+        """What an image's KV record must match: its grid, token count and the model's depth, for
+        a compressed record the compression settings it was made with, and for an isolated model
+        the variant and the sink token of ``prompt`` (required then)."""
         base = (span.image.grid, span.length, self.runner.num_layers)
+        if self.isolated is not None:
+            if prompt is None:
+                raise ValueError("an isolated model's image KV check needs the prompt (its sink token)")
+            base = (*base, self.isolated.check(prompt))
         return base if compression is None else (*base, ("compressed", compression))
 
     def prepare(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> Prepared:
@@ -183,6 +193,8 @@ class Executor:
         pinned: list = []
         loaded: dict = {}  # key -> (Fetched, check): images this turn takes from a lower tier
         load: TierLoad | None = None
+        fresh: dict = {}  # isolated model: key -> HeldImage of the images computed alone this turn
+        sides: list[int] = []  # ... and their side sequences, freed once spliced
         try:
             if options.use_prefix and n > 1:  # never the last token: its logits are this step's output
                 adopted = pool.adopt_prefix(seq, prompt.token_ids[: n - 1], prompt.extra_keys(n - 1))
@@ -193,7 +205,7 @@ class Executor:
 
             def lookup(slot: ImageSlot) -> tuple[CachedImage, Any] | None:
                 """The pool's entry of an image, else one a lower tier holds (loaded during the step)."""
-                check = self.kv_check(prompt.images[slot.index], options.compression)
+                check = self.kv_check(prompt.images[slot.index], options.compression, prompt=prompt)
                 h = self.image_kv_store.get(slot.key, check=check)
                 if h is not None and h.packed and slot.start < adopted:
                     h = None  # a compressed record is spliced whole or not at all
@@ -201,7 +213,7 @@ class Executor:
                     if self.image_kv_store.pin(slot.key):
                         pinned.append(slot.key)  # making room below must not evict it
                     held[slot.key] = h
-                    return CachedImage(h.length, h.position, h.index), h
+                    return CachedImage(h.length, h.position, h.index, h.exact), h
                 # Compacted layers need every spliced image in place before the step: no layer-by-layer loads.
                 if self.tiers.transfer is not None and options.compression is None:
                     got = self.tiers.fetch(slot.key, namespace, check, m)
@@ -210,10 +222,13 @@ class Executor:
                         return CachedImage(int(got.kv.shape[2]), got.position), got
                 return None
 
-            request = plan_request(layout, prefix_tokens=adopted, lookup=lookup if options.use_image_kv else None,
-                                   budget=options.budget, num_layers=runner.num_layers)
+            if self.isolated is not None and prompt.images and not options.image_segment:
+                request, fresh, sides = self._plan_isolated(prompt, layout, adopted, lookup, held, namespace, options, m)
+            else:
+                request = plan_request(layout, prefix_tokens=adopted, lookup=lookup if options.use_image_kv else None,
+                                       budget=options.budget, num_layers=runner.num_layers)
+                m.image_kv_hits, m.image_kv_misses = request.hit_images, len(request.misses)
             plan = request.plan
-            m.image_kv_hits, m.image_kv_misses = request.hit_images, len(request.misses)
             compress = self.compressed.compressible(prompt, plan) if options.compression is not None else []
             packed = [s for s in plan.spliced if layout.images[s.image].key in held
                       and held[layout.images[s.image].key].packed]
@@ -232,6 +247,9 @@ class Executor:
                 dst = [slot_ids(table, np.arange(s.start, s.end), bs) for s in from_pool]
                 deltas = np.concatenate([np.full(s.length, s.delta, dtype=np.int64) for s in from_pool])
                 runner.splice(np.concatenate(src), np.concatenate(dst), deltas)
+            if sides:
+                self._keep_isolated(prompt, layout, fresh, namespace, options)
+                sides = self._free(sides)
             load = self.tiers.start_load(layout, plan, loaded, table, namespace)
             # ViT outputs: images with new tokens, and (when some of their tokens may be recomputed)
             # the spliced ones; one batched vision-tower call for all misses.
@@ -259,13 +277,14 @@ class Executor:
             if load is not None:
                 load.release()  # no copy may land in blocks freed below
             self.tiers.give_back(loaded, namespace)
+            self._free(sides)
             self.discard(seq, table_from=adopted // bs, hashed=hashed)
             raise
         finally:
             for key in pinned:
                 self.image_kv_store.unpin(key)
         m.prefix_reused_tokens = adopted
-        m.image_reused_tokens = plan.image_reused_tokens
+        m.image_reused_tokens = sum(s.length for s in plan.spliced if layout.images[s.image].key not in fresh)
         m.prefilled_tokens = int(plan.new_rows.size)
         m.recomputed_tokens = plan.recomputed_tokens
         m.recomputed_token_layers = plan.recomputed_token_layers
@@ -276,6 +295,52 @@ class Executor:
         m.exact_tokens = plan.exact_tokens
         return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded, step.compaction,
                         compressed_from)
+
+    def _plan_isolated(self, prompt: Prompt, layout: PromptLayout, adopted: int, lookup, held: dict,
+                       namespace: Namespace, options: RequestOptions, m: TurnMetrics):
+        """The plan of an isolated model's request: every image past the prefix spliced, from the
+        caches where they hold it, else computed alone now (:class:`IsolatedImages`), nothing
+        recomputed. Returns the request plan, the images computed alone (key -> HeldImage, also in
+        ``held``) and their side sequences."""
+        found: dict = {}
+        missing: list[ImageSlot] = []  # the first slot of each image no cache holds
+        for slot in layout.images:
+            if slot.end > adopted and slot.key not in found:
+                found[slot.key] = lookup(slot) if options.use_image_kv else None
+                if found[slot.key] is None:
+                    missing.append(slot)
+        side_options = RequestOptions(use_prefix=False, use_image_kv=False, register_prefix=False, store_images=False,
+                                      use_vit=options.use_vit, vit_namespace=options.vit_namespace,
+                                      store_vit=options.store_vit, image_segment=True)
+        computed, sides = self.isolated.compute(self, prompt, [prompt.images[s.index] for s in missing], namespace,
+                                                side_options, m)
+        fresh = {}
+        for slot in missing:
+            h = computed[slot.index]
+            fresh[slot.key] = held[slot.key] = h
+            found[slot.key] = (CachedImage(h.length, h.position, None, True), h)
+        request = plan_request(layout, prefix_tokens=adopted, lookup=lambda slot: found[slot.key], budget=None,
+                               num_layers=self.runner.num_layers)
+        m.image_kv_hits, m.image_kv_misses = request.hit_images - len(missing), len(missing)
+        return request, fresh, sides
+
+    def _keep_isolated(self, prompt: Prompt, layout: PromptLayout, fresh: dict, namespace: Namespace,
+                       options: RequestOptions) -> None:
+        """Keep the images computed alone this turn in the image-KV store (exact records)."""
+        if not (options.store_images and options.use_image_kv):
+            return
+        for slot in layout.images:
+            h = fresh.get(slot.key)
+            if h is None or slot.key in self.image_kv_store:
+                continue
+            self.image_kv_store.put(slot.key, h.seq, h.offset, h.length, h.position,
+                                    check=self.kv_check(prompt.images[slot.index], prompt=prompt), namespace=namespace,
+                                    exact=True)
+
+    def _free(self, seqs: list[int]) -> list[int]:
+        for seq in seqs:
+            self.pool.free_sequence(seq)
+        return []
 
     def fork_prefilled(self, pre: Prepared) -> int:
         """A sequence holding ``pre``'s prefill KV, to decode beside it. Compacted layers write a
@@ -503,9 +568,9 @@ class Executor:
             if pre.compressed_from is not None and span.start >= pre.compressed_from:
                 if span.start in dict(pre.step.compress or ()):
                     self.compressed.store(pre, span, self.image_kv_key(pre.namespace, span, pre.options),
-                                          self.kv_check(span, pre.options.compression))
+                                          self.kv_check(span, pre.options.compression, prompt=pre.prompt))
                 continue  # compacted rows from here on: not one image's KV at its own slots
-            key, check = self.image_kv_key(pre.namespace, span, pre.options), self.kv_check(span)
+            key, check = self.image_kv_key(pre.namespace, span, pre.options), self.kv_check(span, prompt=pre.prompt)
             if key in self.image_kv_store:
                 continue
             position = int(pre.prompt.positions[0, span.start])

@@ -30,8 +30,11 @@ class ReuseSettings:
     engine, same checkpoint): the per-layer rates are then solved from them (layer-aware, as the
     engine does) unless ``recompute_rates`` are given; ``keep_image_order``: an image's KV is reused
     only where it keeps its index among the request's images (True), at any index (False), or as
-    the curves' image-order check says for the served rates (``"auto"``, default; at any index
-    without curves, which the plugin warns about at start-up);
+    the curves' image-order check says for the served rates (``"auto"``, default; without curves
+    the order is kept: exact);
+    ``profile``: the path of the model's reuse profile (``samcache calibrate MODEL``); by default
+    the plugin reads ``samcache_profile.json`` from the model's folder (:meth:`reuse_profile`), and
+    its curves serve where ``sensitivity`` is not given;
     ``store_bytes``: byte bound of the image-KV store (least recently used images go first);
     ``tenant``: the tenant of requests that name none (each engine says how a request names its
     own); ``metrics_path``: a JSON file the worker rewrites after every step that reused or saved
@@ -47,6 +50,7 @@ class ReuseSettings:
     head_fraction: float = 0.1
     sensitivity: str | None = None
     keep_image_order: bool | str = "auto"
+    profile: str | None = None
     store_bytes: int = 1 << 30
     tenant: str = "default"
     metrics_path: str | None = None
@@ -90,6 +94,9 @@ class ReuseSettings:
         if curves is not None and (not isinstance(curves, str) or not curves):
             raise ValueError(f"samcache: sensitivity must be the path of a curves JSON, got {curves!r}")
         keep = extra.get("keep_image_order", cls.keep_image_order)  # checked by __post_init__
+        profile = extra.get("profile")
+        if profile is not None and (not isinstance(profile, str) or not profile):
+            raise ValueError(f"samcache: profile must be the path of a reuse profile, got {profile!r}")
         tenant = extra.get("tenant", cls.tenant)
         if not isinstance(tenant, str):
             raise ValueError(f"samcache: tenant must be a string, got {tenant!r}")
@@ -101,7 +108,7 @@ class ReuseSettings:
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"samcache: eviction_options must be an object, got {options!r}")
         out = cls(recompute_ratio=ratio, recompute_rates=rates, recompute_method=method, head_fraction=head,
-                  sensitivity=curves, keep_image_order=keep, store_bytes=store,
+                  sensitivity=curves, keep_image_order=keep, profile=profile, store_bytes=store,
                   tenant=tenant, metrics_path=path, eviction_policy=policy,
                   eviction_options=dict(options) if options is not None else None)
         out.make_policy()  # a bad name or option stops the server now
@@ -123,7 +130,33 @@ class ReuseSettings:
         except ValueError as e:
             raise ValueError(f"samcache: eviction_options: {e}") from None
 
-    def budget(self, num_layers: int):
+    def reuse_profile(self, model: str | None, num_layers: int):
+        """The model's reuse profile: ``profile`` if given, else the one in checkpoint folder
+        ``model`` (None where there is none), checked against the checkpoint. A checkpoint whose
+        images attend in isolation is refused: the plugins compute first-seen images as the engine
+        they run in does, in context, which is not what such a model was trained on."""
+        import pathlib
+
+        from samcache.profile.image_attention import declared
+        from samcache.profile.reuse_profile import find_profile, read_profile
+
+        folder = model if model is not None and pathlib.Path(model).is_dir() else None
+        try:
+            if folder is not None and declared(folder).isolated:
+                raise ValueError(f"{folder} declares isolated image attention, which the plugins do not serve yet "
+                                 "(first-seen images would be computed in context); serve it with samcache's engine")
+            if self.profile is not None:
+                profile = read_profile(self.profile, folder, num_layers=num_layers)
+            else:
+                profile = find_profile(folder, num_layers=num_layers) if folder is not None else None
+        except ValueError as e:
+            raise ValueError(f"samcache: {e}") from None
+        if profile is not None and profile.image_attention.isolated:
+            raise ValueError(f"samcache: the reuse profile says isolated image attention, which the plugins do not "
+                             "serve yet; serve it with samcache's engine")
+        return profile
+
+    def budget(self, num_layers: int, profile=None):
         """The recompute budget of a model of ``num_layers`` decoder layers: the per-layer rates in
         the order of the configured method (two-track without relevance scores)."""
         from samcache.recompute import Boundary, TwoTrack
@@ -131,36 +164,35 @@ class ReuseSettings:
 
         method = (TwoTrack(head_fraction=self.head_fraction, relevance=False) if self.recompute_method == "two-track"
                   else Boundary())
-        return RecomputeBudget(self.layer_rates(num_layers), method)
+        return RecomputeBudget(self.layer_rates(num_layers, profile), method)
 
-    def curves(self, num_layers: int):
-        """The calibrated curves (None without ``sensitivity``), checked against the model's depth."""
+    def curves(self, num_layers: int, profile=None):
+        """The calibrated curves: ``sensitivity``'s, else the reuse ``profile``'s (None without
+        either), checked against the model's depth."""
         if self.sensitivity is None:
-            return None
+            return None if profile is None else profile.curves
         try:
             return load_curves(self.sensitivity, num_layers=num_layers)
         except ValueError as e:
             raise ValueError(f"samcache: {e}") from None
 
-    def keeps_image_order(self, num_layers: int) -> bool:
+    def keeps_image_order(self, num_layers: int, profile=None) -> bool:
         """Whether image KV is keyed by content and index (:func:`samcache.recompute.serving.keeps_image_order`,
         as the engine decides it, at the mean of the served rates)."""
-        rates = self.layer_rates(num_layers)
+        rates = self.layer_rates(num_layers, profile)
         kind = "uniform" if self.recompute_rates is not None else "layer-aware"
-        curves = self.curves(num_layers)
+        curves = self.curves(num_layers, profile)
         if self.keep_image_order == "auto" and curves is None:
-            # The engine calibrates on first use; a plugin has only what it was given, so it warns.
-            logger.warning("samcache: keep_image_order='auto' without sensitivity curves: image KV is reused at "
-                           "any index among the request's images, which costs accuracy on a model that reads "
-                           "images in order; pass sensitivity=<curves from engine.calibrate(save=...)> or "
-                           "keep_image_order=True (or False to silence this)")
+            logger.info("samcache: keep_image_order='auto' with no reuse profile or curves: an image's KV is reused "
+                        "only where the image keeps its index among the request's images (exact); "
+                        "`samcache calibrate MODEL` writes the model's profile")
         return keeps_image_order(self.keep_image_order, curves, sum(rates) / len(rates), kind)
 
-    def layer_rates(self, num_layers: int) -> tuple[float, ...]:
+    def layer_rates(self, num_layers: int, profile=None) -> tuple[float, ...]:
         """The per-layer recompute rates for a model of ``num_layers`` decoder layers: the given ones,
         else solved from the curves for ``recompute_ratio`` (the same at every layer without them)."""
         if self.recompute_rates is None:
-            budget = serving_budget(self.curves(num_layers), self.recompute_ratio, num_layers)
+            budget = serving_budget(self.curves(num_layers, profile), self.recompute_ratio, num_layers)
             return tuple(float(r) for r in budget.rates)
         if len(self.recompute_rates) != num_layers:
             raise ValueError(f"samcache: recompute_rates has {len(self.recompute_rates)} entries, "

@@ -39,17 +39,21 @@ def serving_budget(curves: SensitivityCurves | None, ratio: float, num_layers: i
 
 
 def keeps_image_order(setting: bool | str, curves: SensitivityCurves | None, ratio: float,
-                      kind: str = "layer-aware") -> bool:
+                      kind: str = "layer-aware", *, isolated: bool = False) -> bool:
     """Whether requests served at ``ratio`` reuse an image's KV only at its own index: ``setting``
-    itself, or with ``"auto"`` what the calibration's image-order check found for the rates served
-    at that ratio (False without one)."""
+    itself, or with ``"auto"``: never for a model whose images attend in isolation (reuse is
+    exact at any index), else what the calibration's image-order check found for the rates served
+    at that ratio, and without one keep the order (exact: nothing is reused where it could be
+    wrong before a calibration says it is safe)."""
     check_keep_image_order(setting)
     if setting != "auto":
         return setting
+    if isolated:
+        return False
     check_fraction("recompute_ratio", ratio)
     order = None if curves is None else curves.image_order
     if order is None:
-        return False
+        return True
     uniform = kind == "uniform" or curves.prefers_uniform(ratio)
     return order.keeps_order(ratio, uniform=uniform)
 

@@ -52,17 +52,21 @@ class PromptLayout:
 class CachedImage:
     """What the image-KV store holds for a key: ``length`` tokens of KV whose keys are rotated to
     positions starting at ``position``, computed when the image was image ``index`` of its prompt
-    (None: computed alone, or not known)."""
+    (None: computed alone, or not known). ``exact``: re-rotated to any position, this KV is what a
+    full prefill computes there (a model with isolated image attention, the record lossless)."""
 
     length: int
     position: int
     index: int | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         check_int("CachedImage.length", self.length, 1)
         check_int("CachedImage.position", self.position, 0)
         if self.index is not None:
             check_int("CachedImage.index", self.index, 0)
+        if not isinstance(self.exact, bool):
+            raise TypeError(f"CachedImage.exact must be a bool, got {self.exact!r}")
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ class SplicedSpan:
     """Prompt tokens ``[start, start + length)`` take image ``image``'s cached KV from its token
     ``offset`` on (the exact prefix may already hold the image's first tokens), keys rotated by
     ``delta`` positions. ``moved``: the KV was computed at another index among the images (or
-    alone, or where is not known)."""
+    alone, or where is not known). ``exact``: the spliced KV is what a full prefill computes here
+    (:attr:`CachedImage.exact`)."""
 
     image: int
     start: int
@@ -116,6 +121,7 @@ class SplicedSpan:
     offset: int
     delta: int
     moved: bool = True
+    exact: bool = False
 
     @property
     def end(self) -> int:
@@ -133,8 +139,8 @@ class ReusePlan:
       (nested sets, shrinking with depth); ``layer_rows[l]`` = new rows + layer ``l``'s recompute set;
     - ``vit_images``: images whose vision-encoder output the computed rows need;
     - ``exact_tokens``: the leading tokens whose KV equals a full prefill's (everything before the
-      first spliced token, unless every reused token is recomputed at every layer). Only these may
-      enter an exact prefix cache.
+      first spliced token that is not exact, unless every reused token is recomputed at every
+      layer). Only these may enter an exact prefix cache.
 
     A plan is made in two declared phases, both before the forward: :func:`plan_reuse` decides
     everything that needs no KV; a repair order that ranks tokens by relevance leaves
@@ -218,7 +224,8 @@ def finish_plan(plan: ReusePlan, recompute: RecomputePlan | None, num_layers: in
     # Exact everywhere only when every reused token is recomputed at every layer (the quotas
     # shrink with depth: the last layer's is the smallest).
     all_recomputed = recompute is not None and recompute.quota and recompute.quota[-1] >= plan.image_reused_tokens
-    exact = plan.num_tokens if not plan.spliced or all_recomputed else plan.spliced[0].start
+    approximate = [s.start for s in plan.spliced if not s.exact]
+    exact = plan.num_tokens if not approximate or all_recomputed else approximate[0]
     return replace(plan, recompute=recompute, layer_rows=layer_rows, vit_images=vit, exact_tokens=exact,
                    needs_scores=False)
 

@@ -15,7 +15,9 @@ Rules (docs/design.md, "The reuse plan"):
    the first token the prefix does not hold.
 3. Everything else is new and computed at every layer.
 4. A spliced image has *moved* when its KV was computed at another index among the prompt's
-   images (or alone, or where is not known): its KV may be wrong in more than its positions.
+   images (or alone, or where is not known): its KV may be wrong in more than its positions. A
+   cached image marked *exact* (a model whose images attend in isolation) is what a full prefill
+   computes at any index: it keeps the plan's KV exact.
 5. Of the spliced tokens, layer ``l`` recomputes ``ceil(rates[l] * reused)`` (the repair method
    may raise the first layers' quotas), in the repair method's order
    (:mod:`samcache.recompute.method`); a method that orders by relevance wants scores
@@ -93,7 +95,7 @@ def plan_reuse(
             raise ValueError(f"image {slot.index} has {slot.length} tokens but its cached KV has {entry.length}: "
                              "a store must never return another image's entry")
         spliced.append(SplicedSpan(slot.index, lo, hi - lo, lo - slot.start, slot.position - entry.position,
-                                   moved=entry.index != slot.index))
+                                   moved=entry.index != slot.index, exact=entry.exact))
         is_new[lo:hi] = False
 
     plan = ReusePlan(

@@ -1,5 +1,5 @@
 """Held-out accuracy of a trained visual-QA checkpoint with a full prefill (Hugging Face's own
-``generate``), on more examples than training's periodic evaluation and with Wilson intervals.
+``generate``, or samcache's engine for isolated image attention), on more examples than training's periodic evaluation and with Wilson intervals.
 
 Training scores 48 examples per image count every few hundred steps, the first 48 of the test
 stream, and the run is judged by them: an interval of about ±13 points, and examples the run was
@@ -27,21 +27,48 @@ from samcache._checks import check_int
 START = 10_000
 
 
+def _engine_replies(folder, attention, exs, messages, dense: bool, progress: bool) -> list[str]:
+    """Greedy replies of samcache's engine serving ``folder`` with image ``attention`` (a full
+    prefill of each question: every cache off), in batches of 16."""
+    from samcache.engine import ChatRequest, SAMcacheEngine
+    from samcache.tasks.visual_qa import dense_token_budget
+
+    engine = SAMcacheEngine(folder, device="cpu", image_attention=attention, cache_enabled=False)
+    replies: list[str] = []
+    batches = range(0, len(exs), 16)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc=f"scoring {len(exs[0].images)} image(s) ({attention.name})", unit="batch")
+    for at in batches:
+        batch = exs[at:at + 16]
+        out = engine.chat_batch([ChatRequest(messages=messages(ex, dense=dense, answer=False),
+                                             max_new_tokens=dense_token_budget(len(ex.images)) if dense else 6)
+                                 for ex in batch])
+        replies.extend(r.text for r in out)
+    return replies
+
+
 def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4), start: int = START,
-                     threads: int = 2, progress: bool = True) -> dict:
+                     threads: int = 2, progress: bool = True, attention: str | None = None) -> dict:
     """Accuracy of the checkpoint at ``path`` on ``examples`` held-out questions per image count in
     ``images``: the test examples ``start`` to ``start + examples`` of its training seed, of the
     kind, size and reply style (dense or not) its ``training.json`` records. Returns per image
     count: ``accuracy``, ``correct``, ``examples``, the Wilson 95% ``interval``, ``by_question``
     (question type: ``examples``, ``correct``) and for dense replies ``described_parts`` (the share
     of description parts right, :func:`~samcache.tasks.visual_qa.described_parts`) and
-    ``wrong_after_exact_description`` (wrong answers whose description was right in every part)."""
+    ``wrong_after_exact_description`` (wrong answers whose description was right in every part).
+
+    ``attention``: the image attention to serve the model with (a name; None: what the checkpoint
+    declares). Causal attention decodes with Hugging Face's ``generate``; isolated attention with
+    samcache's engine (every image computed alone), the path that serves it."""
     import torch
 
     from samcache.engine.loading import load_processor
     from samcache.bench.task_accuracy import training_defaults, wilson_interval
     from samcache.random_checkpoints import model_class
     from samcache.tasks import visual_qa
+    from samcache.profile.image_attention import ImageAttention, declared
     from samcache.tasks.training import evaluate
 
     check_int("examples", examples, 1)
@@ -59,20 +86,26 @@ def score_checkpoint(path, *, examples: int = 200, images: Sequence[int] = (1, 4
     config = json.loads(record.read_text()).get("config", {})
     trained = training_defaults(folder)
     torch.set_num_threads(threads)
-    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
-    processor = load_processor(folder)
-    out = {"checkpoint": str(folder), "start": start, "seed": int(config.get("seed", 0))}
+    served = declared(folder) if attention is None else ImageAttention.parse(attention)
+    if not served.isolated:
+        model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32)
+        processor = load_processor(folder)
+    out = {"checkpoint": str(folder), "start": start, "seed": int(config.get("seed", 0)),
+           "image_attention": served.name}
     dense = trained.get("dense", False)
     for n in images:
         exs = [visual_qa.make_example(visual_qa.split_seed("test", i, out["seed"]), num_images=n,
                                       kind=trained.get("kind", "gui"), size=trained.get("size", visual_qa.DEFAULT_SIZE))
                for i in range(start, start + examples)]
-        shown = exs
-        if progress:
-            from tqdm import tqdm
+        if served.isolated:
+            got = {"replies": _engine_replies(folder, served, exs, visual_qa.messages, dense, progress)}
+        else:
+            shown = exs
+            if progress:
+                from tqdm import tqdm
 
-            shown = tqdm(exs, desc=f"scoring {n} image(s)", unit="question")
-        got = evaluate(model, processor, shown, visual_qa.messages, dense=dense, replies=True)
+                shown = tqdm(exs, desc=f"scoring {n} image(s)", unit="question")
+            got = evaluate(model, processor, shown, visual_qa.messages, dense=dense, replies=True)
         right = [visual_qa.is_correct(reply, ex.answer) for ex, reply in zip(exs, got["replies"])]
         correct = sum(right)
         result = {"accuracy": correct / len(exs), "correct": correct, "examples": len(exs),
@@ -96,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, nargs="+", default=[1, 4], help="image counts to score")
     parser.add_argument("--start", type=int, default=START, help="first test example")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention", default=None, metavar="NAME",
+                        help="serve the model with this image attention (causal, isolated, ...; default: what the "
+                             "checkpoint declares)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     try:
         result = score_checkpoint(args.checkpoint, examples=args.examples, images=args.images, start=args.start,
-                                  threads=args.threads)
+                                  threads=args.threads, attention=args.attention)
     except (ValueError, OSError) as e:
         print(f"samcache.tasks.heldout: {e}", file=sys.stderr)
         return 2

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from samcache._checks import check_int
+from samcache.profile.image_attention import CAUSAL, CONFIG_KEY, ImageAttention
+from samcache.tasks.image_isolation import enable_vision_ids, forward_logits
 
 #: The model trained by default: 4 text layers of hidden 256 (4 heads over 2 KV heads of 64
 #: dims), a 4-block vision tower of hidden 128.
@@ -70,7 +72,10 @@ class TrainConfig:
     ``evidence``: dense replies repeat the part of the description that holds the answer before
     it, keys first (:func:`samcache.tasks.visual_qa.evidence_line`);
     ``init_from``: an earlier run to continue (its weights, and the train examples after those it
-    saw; set ``vision_steps=0``); ``deepen``: decoder layers added on top of that run's
+    saw; set ``vision_steps=0``); ``image_attention``: how image tokens attend
+    (:class:`samcache.profile.image_attention.ImageAttention`, by name), declared in the written
+    checkpoint; ``vision_ids``: the chat template writes "Picture k: " before each image, so an
+    isolated image's index is in the text; ``deepen``: decoder layers added on top of that run's
     (:func:`deepen_checkpoint`); ``device``: where the model trains (``"cuda"`` on a GPU: the same
     steps and examples, minutes instead of hours; the weights are written the same way).
 
@@ -104,6 +109,8 @@ class TrainConfig:
     eval_examples: int = 64
     threads: int = 2
     device: str = "cpu"
+    image_attention: str = "causal"  # how images attend (ImageAttention.parse): causal, isolated, ...
+    vision_ids: bool = False  # "Picture k: " before each image (the chat template's add_vision_id, on by default)
     model_sizes: dict[str, Any] = field(default_factory=lambda: dict(MODEL_SIZES))
 
     def images_at(self, step: int) -> int:
@@ -194,12 +201,12 @@ def _on(device: torch.device, tensors: dict) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
 
-def weighted_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token cross-entropy over the labelled tokens, each weighted by ``loss_weights``."""
-    inputs = _on(model.device, inputs)
-    labels, weights = inputs.pop("labels"), inputs.pop("loss_weights")
-    logits = model(**inputs).logits[:, :-1].float()
-    target, w = labels[:, 1:], weights[:, 1:]
+def weighted_loss(model, inputs: dict[str, torch.Tensor], attention: ImageAttention = CAUSAL) -> torch.Tensor:
+    """Next-token cross-entropy over the labelled tokens, each weighted by ``loss_weights``, with
+    image tokens attending as ``attention`` says."""
+    logits, iso = forward_logits(model, inputs, attention)
+    logits = logits[:, :-1].float()
+    target, w = iso["labels"][:, 1:].to(logits.device), iso["loss_weights"][:, 1:].to(logits.device)
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                            ignore_index=-100, reduction="none").view_as(w)
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
@@ -231,6 +238,44 @@ def evaluate(model, processor, examples: Sequence[Any], make_messages, *, dense:
     model.train()
     out = {"accuracy": correct / max(1, len(examples)), "examples": len(examples)}
     return {**out, "replies": texts} if replies else out
+
+
+@torch.no_grad()
+def teacher_forced(model, processor, conversations: Sequence[list[dict]], attention: ImageAttention = CAUSAL, *,
+                   batch_size: int = 8) -> dict:
+    """Each reply of ``conversations`` (chat messages with their assistant replies) teacher-forced
+    under ``attention``: ``answers``, the share of replies whose answer part (from 'Found:' on, or
+    'Answer:', and the end-of-turn token) is predicted right token for token; ``description_tokens``,
+    the share of the other reply tokens predicted right. Cheap (one forward per batch) and defined
+    for any image attention, where greedy decoding through Hugging Face's ``generate`` is not."""
+    was_training = model.training
+    model.eval()
+    answers = replies = desc_right = desc_total = 0
+    for at in range(0, len(conversations), batch_size):
+        batch = encode_batch(processor, conversations[at:at + batch_size], answer_weight=2.0)
+        logits, iso = forward_logits(model, batch, attention)
+        right = (logits[:, :-1].argmax(-1).cpu() == iso["labels"][:, 1:])
+        w = iso["loss_weights"][:, 1:]
+        desc = w == 1.0
+        desc_right += int((right & desc).sum())
+        desc_total += int(desc.sum())
+        tail = (w == 2.0).int()
+        for b in range(tail.shape[0]):  # each run of answer-part tokens is one reply's answer
+            edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int), tail[b], torch.zeros(1, dtype=torch.int)]))
+            for lo, hi in zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()):
+                replies += 1
+                answers += bool(right[b, lo:hi].all())
+    model.train(was_training)
+    return {"answers": answers / max(1, replies), "replies": replies,
+            "description_tokens": desc_right / max(1, desc_total)}
+
+
+def held_out_conversations(config: "TrainConfig", num_images: int, count: int) -> list[list[dict]]:
+    """``count`` held-out dense conversations (the test seed stream) framed as training frames them."""
+    from samcache.tasks import visual_qa as task
+
+    exs = task.examples("test", count, num_images=num_images, kind=config.kind, size=config.size, seed=config.seed)
+    return [task.framed_messages(ex, i, dense=True, evidence=config.evidence) for i, ex in enumerate(exs)]
 
 
 #: What the vision-stage probes classify for each merged image token: the colour, kind and label of
@@ -402,7 +447,16 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         seen = _copy_run(pathlib.Path(config.init_from), out)
         if config.deepen:
             deepen_checkpoint(out, config.deepen)
+    attention = ImageAttention.parse(config.image_attention)
+    if config.vision_ids:
+        enable_vision_ids(out)
     model = model_class("qwen2_5_vl").from_pretrained(out, dtype=torch.float32).to(device).train()
+    attention.check_depth(model.config.text_config.num_hidden_layers)
+    # The checkpoint declares how its images attend (every save writes the config).
+    if attention.isolated:
+        setattr(model.config, CONFIG_KEY, attention.to_dict())
+    elif hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
     if config.init_from is not None:  # training.json records the model trained, not the defaults
         config.model_sizes = model_sizes_of(model.config)
     processor = load_processor(out)
@@ -416,6 +470,7 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
     rng = np.random.default_rng(config.seed)  # which examples get dense replies
     held_out = {n: list(task.examples("test", config.eval_examples, num_images=n, kind=config.kind,
                                       size=config.size, seed=config.seed)) for n in (1, 4)}
+    forced = {n: held_out_conversations(config, n, config.eval_examples) for n in (1, 4)} if config.dense_eval else {}
     curve, start = [], time.perf_counter()
     first_example = seen
     last = config.stop_after or config.steps
@@ -436,7 +491,7 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
             batch.append(task.framed_messages(ex, int(rng.integers(2**31)), dense=dense, evidence=config.evidence)
                          if config.framed else task.messages(ex, dense=dense, evidence=config.evidence))
             seen += 1
-        loss = weighted_loss(model, encode_batch(processor, batch, config.answer_weight))
+        loss = weighted_loss(model, encode_batch(processor, batch, config.answer_weight), attention)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -446,9 +501,14 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
         if (step + 1) % config.eval_every == 0 or step + 1 == last:
             point = {"step": step + 1, "examples_seen": seen - first_example, "loss": loss.item(),
                      "seconds": time.perf_counter() - start}
-            for k, exs in held_out.items():
-                point[f"accuracy_{k}_image"] = evaluate(model, processor, exs, task.messages,
-                                                        dense=config.dense_eval)["accuracy"]
+            if not attention.isolated:  # greedy decoding through generate() is causal attention only
+                for k, exs in held_out.items():
+                    point[f"accuracy_{k}_image"] = evaluate(model, processor, exs, task.messages,
+                                                            dense=config.dense_eval)["accuracy"]
+            for k, convs in forced.items():
+                scores = teacher_forced(model, processor, convs, attention)
+                point[f"forced_answers_{k}_image"] = scores["answers"]
+                point[f"forced_description_{k}_image"] = scores["description_tokens"]
             curve.append(point)
             bar.write(json.dumps(point))
             model.save_pretrained(out)  # the latest weights are on disk at every evaluation
@@ -487,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="loss weight of the answer tokens against 1 for the description")
     parser.add_argument("--dense-fraction", type=float, default=TrainConfig.dense_fraction)
     parser.add_argument("--image-size", type=int, nargs=2, default=list(TrainConfig.size), metavar=("H", "W"))
+    parser.add_argument("--image-attention", default=TrainConfig.image_attention, metavar="NAME",
+                        help="how image tokens attend: causal (default), isolated (with a sink), isolated-nosink, "
+                             "isolated-top<k> (top k layers in context); declared in the checkpoint")
+    parser.add_argument("--vision-ids", action="store_true",
+                        help='"Picture k: " before each image (the chat template\'s add_vision_id, made its default)')
     parser.add_argument("--layers", type=int, default=MODEL_SIZES["num_hidden_layers"],
                         help="decoder layers of a new model (ignored with --init)")
     parser.add_argument("--heads", type=int, default=MODEL_SIZES["num_attention_heads"],
@@ -498,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                          eval_every=args.eval_every, eval_examples=args.eval_examples, threads=args.threads,
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
                          answer_weight=args.answer_weight, init_from=args.init, deepen=args.deepen, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
-                         size=tuple(args.image_size), device=args.device)
+                         size=tuple(args.image_size), device=args.device,
+                         image_attention=ImageAttention.parse(args.image_attention).name, vision_ids=args.vision_ids)
     config.model_sizes.update(num_hidden_layers=args.layers, num_attention_heads=args.heads,
                               num_key_value_heads=args.kv_heads)
     if args.images:

@@ -57,6 +57,7 @@ class HeldImage:
     kept: tuple[np.ndarray, ...] | None = None  # packed (compressed): per layer, the image's tokens it holds
     merges: tuple = ()  # packed: its stages' merges (layer, token offsets, target offsets, weights)
     index: int | None = None  # the image's index among its prompt's images when computed (None: alone, or unknown)
+    exact: bool = False  # a full prefill's KV at any position (isolated image attention, computed here, lossless)
 
     @property
     def packed(self) -> bool:
@@ -128,10 +129,11 @@ class ImageKVStore:
 
     # ---- inserts and evictions --------------------------------------------------------------------
     def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None,
-            namespace: Namespace | None = None, index: int | None = None) -> bool:
+            namespace: Namespace | None = None, index: int | None = None, exact: bool = False) -> bool:
         """Hold the KV of tokens ``[start, start + length)`` of live sequence ``seq`` (already written)
-        under ``key``, computed as image ``index`` of its prompt (None: alone). False if the key is
-        present or the image alone exceeds the capacity."""
+        under ``key``, computed as image ``index`` of its prompt (None: alone); ``exact``: it is a
+        full prefill's KV wherever it is re-rotated to (:attr:`HeldImage.exact`). False if the key
+        is present or the image alone exceeds the capacity."""
         if index is not None:
             check_int("index", index, 0)
         check_int("start", start, 0)
@@ -146,8 +148,8 @@ class ImageKVStore:
             self.entries.stats.rejected += 1
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
-        return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check, index=index),
-                          size)
+        return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check, index=index,
+                                    exact=bool(exact)), size)
 
     def put_packed(self, key: ContentKey, kept: tuple[np.ndarray, ...], source_rows: np.ndarray, length: int,
                    position: int, copy_rows: Callable[[np.ndarray, np.ndarray], None], check: Any = None,

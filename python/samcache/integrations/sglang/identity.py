@@ -78,6 +78,13 @@ def model_id(model: Any, dtype: torch.dtype) -> str:
                              dtype=dtype)
 
 
+def model_path(model: Any) -> str | None:
+    """The checkpoint a model was loaded from (SGLang's ``--model-path``, else its config's name)."""
+    args = _server_args()
+    config = getattr(model, "config", None)
+    return getattr(args, "model_path", None) or getattr(config, "_name_or_path", None) or None
+
+
 def server_model_id(ctx: Any) -> str:
     """The model part of the radix tree's keys, from SGLang's cache-factory context: checkpoint,
     revision, dtype, architecture and KV dtype (KV from another of these is never reused)."""
@@ -97,4 +104,4 @@ def _server_args() -> Any:
         return None
 
 
-__all__ = ["ImageRef", "image_refs", "model_id", "server_model_id"]
+__all__ = ["ImageRef", "image_refs", "model_id", "model_path", "server_model_id"]

@@ -24,7 +24,7 @@ from samcache.integrations.forward_plan import Rotary
 from samcache.integrations.settings import ReuseSettings
 from samcache.integrations.sglang.attention import SamcacheAttnBackend
 from samcache.integrations.sglang.exactness import tree_keeps_approximate_out
-from samcache.integrations.sglang.identity import image_refs, model_id
+from samcache.integrations.sglang.identity import image_refs, model_id, model_path
 from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.sglang.step import PoolWriter, ReuseStats, SglangStep, plan_step, save_images
 
@@ -152,8 +152,9 @@ class ModelReuse:
             raise ValueError("samcache: the SGLang plugin does not support the HF deepstack order (RL on-policy mode)")
         self.rotary = Rotary.of(language_model.layers[0].self_attn.rotary_emb, "SGLang")
         self.attention_layers = [layer.self_attn.attn for layer in language_model.layers]
-        self.budget = self.settings.budget(self.num_layers)
-        self.keep_image_order = self.settings.keeps_image_order(self.num_layers)
+        profile = self.settings.reuse_profile(model_path(model), self.num_layers)
+        self.budget = self.settings.budget(self.num_layers, profile)
+        self.keep_image_order = self.settings.keeps_image_order(self.num_layers, profile)
         self.store = store if store is not None else _process_store()
         self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype

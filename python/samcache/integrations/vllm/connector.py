@@ -96,6 +96,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         self.config = SamcacheVllmConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         check_engine_config(vllm_config)
         self.model_id = model_id(vllm_config)
+        self._model_path = str(vllm_config.model_config.model)  # where its reuse profile is
         if role == KVConnectorRole.SCHEDULER:
             self._tracked: dict[str, _Tracked] = {}
             self._tenants: dict[str, str] = {}
@@ -237,8 +238,9 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._cache = VllmCacheWriter([name for name, _ in ordered], [kv for _, kv in ordered])
         self._num_layers = len(ordered)
         self.metrics.set_gauges(num_layers=self._num_layers)
-        self._budget = self.config.budget(self._num_layers)
-        self._keep_order = self.config.keeps_image_order(self._num_layers)
+        profile = self.config.reuse_profile(self._model_path, self._num_layers)
+        self._budget = self.config.budget(self._num_layers, profile)
+        self._keep_order = self.config.keeps_image_order(self._num_layers, profile)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # the KV is written when the forward starts: it needs the step's M-RoPE positions
