@@ -83,7 +83,7 @@ def main() -> None:
     config = bench_config()
     stock = H.build_qwen2_5_vl(config, seed=0)
     model = H._build_from_hf(Override, config, 0, H.hf_reference_qwen2_5_vl)
-    model._samcache_reuse = ModelReuse(model, ReuseSettings(recompute_ratio=args.recompute),
+    model._samcache_reuse = ModelReuse(model, ReuseSettings(recompute_ratio=args.recompute, keep_image_order=False),
                                        TensorStore("bench", 1 << 31))
     first_parts, second_parts = turns()
     first = H.prompt_with_images(config, first_parts, seed=0)

@@ -124,7 +124,9 @@ def _run(args, trace, model, note, modes, ratios, out) -> int:
             kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None, progress=not args.quiet,
             command=command, model_note=note, repeat=args.repeat, threads=args.threads, vllm_python=args.vllm_python,
             peer_log_dir=out, methods=args.methods,
-            engine_kwargs={"image_attention": args.image_attention} if args.image_attention else None,
+            engine_kwargs={**({"image_attention": args.image_attention} if args.image_attention else {}),
+                           **({"keep_image_order": _ORDER_CHOICES[args.keep_image_order]}
+                              if args.keep_image_order != "auto" else {})} or None,
         )
     except (ValueError, FileNotFoundError) as e:  # bad model, prompt too long, no peer environment, ...
         print(f"samcache bench: {e}", file=sys.stderr)
@@ -347,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fidelity-tokens", type=int, default=4)
     b.add_argument("--no-fidelity", action="store_true", help="skip the full-prefill comparison of each turn")
     b.add_argument("--no-calibrate", action="store_true", help="uniform budget instead of calibrating first")
+    b.add_argument("--keep-image-order", default="auto", choices=list(_ORDER_CHOICES),
+                   help="the engines' (and the plugin's) keep_image_order (default auto: the calibration decides; "
+                        "without curves the order is kept); false: reuse at any index, e.g. on random weights")
     b.add_argument("--image-attention", default=None, metavar="NAME",
                    help="serve the model with this image attention (causal, isolated: every image computed alone and "
                         "reused at any index exactly; default: what the checkpoint declares)")

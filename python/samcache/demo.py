@@ -1,10 +1,12 @@
 """``make demo``: first real answers, then speed.
 
-**Answers.** The trained visual-QA model that ships with samcache (a tiny Qwen2.5-VL that reads
-GUI screenshots) plays one held-out GUI agent trace: each turn shows the last 3 screenshots, so
-known screenshots come back at new positions. Per turn it prints the question, the expected
-answer, samcache's answer with its defaults (calibrated on another trace) and the full
-prefill's answer, with both TTFTs and the image tokens samcache reused.
+**Answers.** The two trained visual-QA models that ship with samcache (a tiny Qwen2.5-VL that reads
+GUI screenshots, and the same model fine-tuned so that each image attends only to itself) play
+one held-out GUI agent trace: each turn shows the last 3 screenshots, so known screenshots come
+back at new positions. Per turn it prints the question, the expected answer, samcache's answer
+with its defaults and whether the full prefill replies the same, with both TTFTs and the image
+tokens samcache reused: few on the first model (a moved screenshot is prefilled again: its KV
+says where it was), every known one on the second, with the full prefill's replies.
 
 **Speed.** A scripted GUI agent on a small random-weight Qwen2.5-VL, with and without samcache.
 The agent keeps its last 3 screenshots (1280x720, 1,196 image tokens each) in the prompt; every
@@ -29,57 +31,52 @@ import warnings
 
 
 def answers(*, turns: int = 6, window: int = 3, device: str = "cpu", seed: int = 0) -> list[dict]:
-    """The shipped trained model on one held-out GUI trace: samcache (defaults, calibrated on
-    another held-out trace) against a full prefill, turn by turn. Returns one row per turn."""
+    """The two shipped trained models on one held-out GUI trace, each with samcache's defaults
+    against a full prefill, turn by turn: the causal one (its images' KV depends on their index,
+    so a moved screenshot is prefilled again) and the one fine-tuned to isolated image attention
+    (every known screenshot reused wherever it moved, exactly). Returns one row per model and turn."""
     from samcache.engine import SAMcacheEngine
-    from samcache.bench.task_accuracy import CALIBRATION_OFFSET, calibration_pairs, training_defaults
+    from samcache.bench.task_accuracy import training_defaults
     from samcache.tasks import visual_qa
-    from samcache.tasks.checkpoint import trained_model
+    from samcache.tasks.checkpoint import isolated_model, trained_model
 
-    model = trained_model()
-    trained = training_defaults(model)
-    size, dense = trained.get("size", visual_qa.DEFAULT_SIZE), trained.get("dense", False)
-
-    def gui_trace(index: int) -> list:
-        return visual_qa.trace(visual_qa.split_seed("test", index, seed), scenario="gui", turns=turns, window=window,
-                               size=size, dense=dense)
-
-    print(f"the trained visual-QA model ({model.name}, {size[0]}x{size[1]} screenshots) on a held-out GUI agent "
-          f"trace: {turns} turns, the last {window} screenshots each turn, newest last")
-    full = SAMcacheEngine(model, device=device, cache_enabled=False)
-    fast = SAMcacheEngine(model, device=device, share_weights_with=full)
-    calibration = gui_trace(CALIBRATION_OFFSET)
-    print("calibrating samcache's recompute budget and image-order check on another trace ...")
-    # The rates the defaults serve at (0.05), and the two ends the image-order check compares.
-    fast.calibrate(requests=calibration_pairs([calibration]), rates=(0.0, 0.05, 1.0),
-                   continuation=max(t.max_new_tokens for t in calibration))
-    order = "kept (a known screenshot is reused only at its own index)" if fast.keeps_image_order() else \
-        "free (a known screenshot is reused at any index)"
-    print(f"  the calibration found the image order {order}")
     rows = []
-    for k, turn in enumerate(gui_trace(0)):
-        mine = fast.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
-        ref = full.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
-        row = {"turn": k, "question": turn.question.replace(visual_qa.DENSE_INSTRUCTION, "").strip(),
-               "answer": turn.answer, "samcache": visual_qa.parse_answer(mine.text),
-               "full_prefill": visual_qa.parse_answer(ref.text), "same_reply": mine.text == ref.text,
-               "ttft_samcache_ms": mine.metrics.ttft_s * 1e3, "ttft_full_ms": ref.metrics.ttft_s * 1e3,
-               "prefix_reused": mine.metrics.prefix_reused_tokens, "image_reused": mine.metrics.image_reused_tokens,
-               "prefilled": mine.metrics.prefilled_tokens}
-        rows.append(row)
-        mark = lambda a: "right" if a.lower() == turn.answer.lower() else "wrong"  # noqa: E731
-        print(f"\nturn {k}: {row['question']}\n  expected {turn.answer!r}; samcache {row['samcache']!r} "
-              f"({mark(row['samcache'])}), full prefill {row['full_prefill']!r} ({mark(row['full_prefill'])}); "
-              f"{'the same reply' if row['same_reply'] else 'replies differ'}\n"
-              f"  TTFT samcache {row['ttft_samcache_ms']:.1f} ms, full prefill {row['ttft_full_ms']:.1f} ms; "
-              f"samcache's KV: {row['prefix_reused']} tokens from the prefix cache, {row['image_reused']} "
-              f"image tokens reused, {row['prefilled']} computed")
-    right = sum(r["samcache"].lower() == r["answer"].lower() for r in rows)
-    same = sum(r["same_reply"] for r in rows)
-    print(f"\nsamcache answered {right} of {len(rows)} right, with the full prefill's reply in {same} of {len(rows)} "
-          "turns (docs/benchmark.md: 40 traces, and what reusing moved screenshots costs on this model)")
-    for engine in (fast, full):
-        engine.check_invariants()
+    for label, model in (("causal", trained_model()), ("isolated", isolated_model())):
+        trained = training_defaults(model)
+        size, dense = trained.get("size", visual_qa.DEFAULT_SIZE), trained.get("dense", False)
+        trace = visual_qa.trace(visual_qa.split_seed("test", 0, seed), scenario="gui", turns=turns, window=window,
+                                size=size, dense=dense)
+        full = SAMcacheEngine(model, device=device, cache_enabled=False)
+        fast = SAMcacheEngine(model, device=device, share_weights_with=full)
+        how = ("images attend in isolation: a known screenshot is reused at any index, exactly" if label == "isolated"
+               else "images read in order, no reuse profile: a known screenshot is reused only at its own index")
+        print(f"\nthe {label} visual-QA model ({model.name}, {size[0]}x{size[1]} screenshots) on a held-out GUI agent "
+              f"trace: {turns} turns, the last {window} screenshots each turn, newest last\n  ({how})")
+        for k, turn in enumerate(trace):
+            mine = fast.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+            ref = full.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+            row = {"model": label, "turn": k, "question": turn.question.replace(visual_qa.DENSE_INSTRUCTION, "").strip(),
+                   "answer": turn.answer, "samcache": visual_qa.parse_answer(mine.text),
+                   "full_prefill": visual_qa.parse_answer(ref.text), "same_reply": mine.text == ref.text,
+                   "ttft_samcache_ms": mine.metrics.ttft_s * 1e3, "ttft_full_ms": ref.metrics.ttft_s * 1e3,
+                   "prefix_reused": mine.metrics.prefix_reused_tokens,
+                   "image_reused": mine.metrics.image_reused_tokens, "prefilled": mine.metrics.prefilled_tokens}
+            rows.append(row)
+            mark = "right" if row["samcache"].lower() == turn.answer.lower() else "wrong"
+            print(f"  turn {k}: {row['question']}\n    expected {turn.answer!r}; samcache {row['samcache']!r} ({mark}); "
+                  f"{'the full prefill gives the same reply' if row['same_reply'] else 'the full prefill replies otherwise'}"
+                  f"\n    TTFT samcache {row['ttft_samcache_ms']:.1f} ms, full prefill {row['ttft_full_ms']:.1f} ms; "
+                  f"samcache's KV: {row['prefix_reused']} tokens from the prefix cache, {row['image_reused']} image "
+                  f"tokens reused, {row['prefilled']} computed")
+        mine_rows = [r for r in rows if r["model"] == label]
+        right = sum(r["samcache"].lower() == r["answer"].lower() for r in mine_rows)
+        same = sum(r["same_reply"] for r in mine_rows)
+        reused = sum(r["image_reused"] for r in mine_rows)
+        print(f"  {label}: {right} of {len(mine_rows)} answers right, the full prefill's reply in {same} of "
+              f"{len(mine_rows)} turns, {reused} image tokens reused")
+        for engine in (fast, full):
+            engine.check_invariants()
+    print("(docs/benchmark.md: 40 traces per scenario, and what each model's accuracy is)")
     return rows
 
 

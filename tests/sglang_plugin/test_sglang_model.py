@@ -91,7 +91,7 @@ def _reuse_second(arch, settings, **prompt_kw):
 
 
 def test_ratio_one_equals_stock_model(arch):
-    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(recompute_ratio=1.0),
+    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(keep_image_order=False, recompute_ratio=1.0),
                                            first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8])
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
 
@@ -100,7 +100,7 @@ def test_reuse_at_new_positions_within_kl(arch):
     from samcache.integrations.sglang.reuse import reset_stats, stats
 
     reset_stats()
-    model, got, want, req, pools = _reuse_second(arch, ReuseSettings(recompute_ratio=0.05),
+    model, got, want, req, pools = _reuse_second(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.05),
                                                  first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
     s = stats()
     assert s.image_kv_hits == 2 and s.images_saved == 2 and s.image_reused_tokens == 40
@@ -118,7 +118,7 @@ def test_other_pixels_are_not_reused(arch):
     from samcache.integrations.sglang.reuse import reset_stats, stats
 
     reset_stats()
-    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(recompute_ratio=0.0),
+    model, got, want, _, _ = _reuse_second(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0),
                                            first_prefix=[1, 2, 3], second_prefix=[4, 5], second_seed=99)
     assert stats().image_kv_hits == 0
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
@@ -128,16 +128,16 @@ def test_other_tenant_or_model_is_not_reused(arch):
     config, stock = arch[0], arch[1]
     store = TensorStore("shared", 1 << 28)
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5])
-    acme = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="acme"), store)
+    acme = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0, tenant="acme"), store)
     _run(acme, first, SamcacheAttnBackend)
-    other = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="globex"), store)
+    other = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0, tenant="globex"), store)
     before = len(store)
     got, _, _ = _run(other, second, SamcacheAttnBackend)
     want, _, _ = _run(stock, second)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
     assert len(store) == before + 2  # globex computed and stored its own
     # The same weights under another checkpoint name is another model.
-    renamed = _override(arch, ReuseSettings(recompute_ratio=0.0, tenant="acme"), store)
+    renamed = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0, tenant="acme"), store)
     renamed._samcache_reuse.model_id += "|other-checkpoint"
     got, _, _ = _run(renamed, second, SamcacheAttnBackend)
     torch.testing.assert_close(got.next_token_logits, want.next_token_logits, atol=1e-4, rtol=1e-4)
@@ -150,7 +150,7 @@ def test_other_tenant_or_model_is_not_reused(arch):
 
 def test_batch_mixes_reuse_and_plain_requests(arch):
     config, stock = arch[0], arch[1]
-    model = _override(arch, ReuseSettings(recompute_ratio=1.0))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=1.0))
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6])
     _run(model, first, SamcacheAttnBackend)
     text_only = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [])
@@ -164,7 +164,7 @@ def test_batch_mixes_reuse_and_plain_requests(arch):
 
 def test_other_backend_falls_back_to_sglang(arch):
     config, stock = arch[0], arch[1]
-    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0))
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5])
     _run(model, first)              # torch_native: the override stays SGLang's own path
     assert len(model._samcache_reuse.store) == 0
@@ -179,7 +179,7 @@ def test_one_layer_model_splice_is_exact():
     fails if the keys are not re-rotated to their new M-RoPE positions, or land in wrong slots)."""
     cfg = H.tiny_qwen2_5_vl_config(text_config={"num_hidden_layers": 1})
     stock = H.build_qwen2_5_vl(cfg, seed=3)
-    model = _override((cfg, stock, Qwen25Override, H.hf_reference_qwen2_5_vl), ReuseSettings(recompute_ratio=0.0),
+    model = _override((cfg, stock, Qwen25Override, H.hf_reference_qwen2_5_vl), ReuseSettings(keep_image_order=False, recompute_ratio=0.0),
                       seed=3)
     first, second = _prompts(cfg, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 10, 11])
     _run(model, first, SamcacheAttnBackend)
@@ -198,7 +198,7 @@ def test_spliced_first_layer_kv_equals_computed(arch):
     spliced ones (cached at other positions, re-rotated with the architecture's M-RoPE: sectioned
     for Qwen2.5-VL, interleaved for Qwen3-VL) must equal what the stock model computes in place."""
     config, stock = arch[0], arch[1]
-    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0))
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 10])
     _run(model, first, SamcacheAttnBackend)
     _, got_req, got_pools = _run(model, second, SamcacheAttnBackend)
@@ -226,7 +226,7 @@ def test_rows_shrinking_with_depth_are_exact_for_an_identical_context(arch):
     config, stock = arch[0], arch[1]
     layers = H.text_config_of(stock).num_hidden_layers
     rates = [1.0] + [0.5] * (layers - 2) + [0.0]
-    model = _override(arch, ReuseSettings(recompute_rates=rates))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_rates=rates))
     first, _ = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4])
     _run(model, first, SamcacheAttnBackend)
     from samcache.integrations.sglang.reuse import reset_stats, stats
@@ -247,7 +247,7 @@ def test_metrics_path_is_written_after_each_step(arch, tmp_path):
 
     reset_stats()
     path = tmp_path / "samcache-metrics.json"
-    model = _override(arch, ReuseSettings(recompute_ratio=0.05, metrics_path=str(path)))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.05, metrics_path=str(path)))
     first, second = _prompts(arch[0], first_prefix=[1, 2, 3], second_prefix=[4, 5])
     _run(model, first, SamcacheAttnBackend)
     assert json.loads(path.read_text())["images_saved"] == 2
@@ -269,7 +269,7 @@ def test_workflow_policy_keeps_the_images_of_the_agents_that_run_next(arch):
     agents = ("a1", "a2", "a3")
     prompts = {a: H.prompt_with_images(config, [[1 + i, 2, 3], GRID_A, [7, 8, 9]], seed=10 + i)
                for i, a in enumerate(agents)}
-    probe = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    probe = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0))
     _run(probe, prompts["a1"], SamcacheAttnBackend)
     image_bytes = probe._samcache_reuse.store.used_bytes
     assert image_bytes > 0
@@ -318,7 +318,7 @@ def test_an_image_the_prefix_holds_in_part_is_spliced_from_its_first_uncached_to
     from samcache.integrations.sglang.reuse import reset_stats, stats
 
     config, stock = arch[0], arch[1]
-    model = _override(arch, ReuseSettings(recompute_ratio=0.0))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.0))
     first, _ = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4])
     ids, items = first
     second = (list(ids) + [40, 41, 42], items)  # the same prompt, then more text
@@ -354,7 +354,7 @@ def test_a_splice_marks_the_request_with_its_exact_tokens(arch):
     from samcache.integrations.sglang.exactness import exact_tokens
 
     config = arch[0]
-    model = _override(arch, ReuseSettings(recompute_ratio=0.05))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.05))
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
     reqs = {}
     for name, prompt in (("first", first), ("second", second)):
@@ -376,7 +376,7 @@ def test_with_another_prefix_tree_the_override_splices_nothing(arch, monkeypatch
 
     monkeypatch.setattr(reuse, "tree_keeps_approximate_out", lambda: False)
     config, stock = arch[0], arch[1]
-    model = _override(arch, ReuseSettings(recompute_ratio=0.05))
+    model = _override(arch, ReuseSettings(keep_image_order=False, recompute_ratio=0.05))
     first, second = _prompts(config, first_prefix=[1, 2, 3], second_prefix=[4, 5, 6, 7, 8, 9, 30])
     reuse.reset_stats()
     with caplog.at_level("WARNING", logger="sglang.samcache"):

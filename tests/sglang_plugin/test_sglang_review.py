@@ -71,7 +71,7 @@ def test_full_hidden_state_capture_returns_every_row(one_layer):
     row runner leaves the spliced rows at zero, so SGLang hands zeros to the user / the draft model.
     With one layer the splice is exact, so the stock model's hidden states are the right answer."""
     cfg, stock = one_layer
-    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(recompute_ratio=0.0), seed=3)
+    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(keep_image_order=False, recompute_ratio=0.0), seed=3)
     first, second = _prompts(cfg, [1, 2, 3], [4, 5, 6, 7, 8, 9])
     _run(model, first, SamcacheAttnBackend)
     got, _, _ = _run(model, second, SamcacheAttnBackend, full_hidden=True)  # CaptureHiddenMode.FULL
@@ -87,7 +87,7 @@ def test_input_logprobs_of_a_reusing_request(one_layer):
     every prompt row from SGLang's LogitsProcessor; with reuse the image rows' logprobs are computed
     from zero hidden states (log(1/V) or worse), not the model's."""
     cfg, stock = one_layer
-    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(recompute_ratio=0.0), seed=3)
+    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(keep_image_order=False, recompute_ratio=0.0), seed=3)
     first, second = _prompts(cfg, [1, 2, 3], [4, 5, 6, 7, 8, 9])
     _run(model, first, SamcacheAttnBackend)
 
@@ -205,7 +205,7 @@ def test_chunked_prefill_exact_on_one_layer(where, one_layer):
     """Nothing recomputed (ratio 0) on a one-layer model: exact, so any slot/row/offset mistake in
     chunk handling shows up in the logits."""
     cfg, stock = one_layer
-    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(recompute_ratio=0.0), seed=3)
+    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(keep_image_order=False, recompute_ratio=0.0), seed=3)
     first, second = _prompts(cfg, [1, 2, 3], [4, 5, 6, 7])
     _run(model, first, SamcacheAttnBackend)
     ids = np.array(second[0])
@@ -225,7 +225,7 @@ def test_images_in_the_cached_prefix_and_text_request_in_mixed_batch(one_layer):
     """A request whose images sit wholly in its cached prefix, one that decodes and one without
     images, in one MIXED batch beside a reusing extend (one layer, ratio 0: exact)."""
     cfg, stock = one_layer
-    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(recompute_ratio=0.0), seed=3)
+    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(keep_image_order=False, recompute_ratio=0.0), seed=3)
     first, second = _prompts(cfg, [1, 2, 3], [4, 5, 6])
     _run(model, first, SamcacheAttnBackend)
 
@@ -268,7 +268,7 @@ def test_sparse_rows_on_a_paged_pool():
 
 def test_use_rows_cleared_after_a_failing_forward(one_layer):
     cfg, _ = one_layer
-    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(recompute_ratio=0.0), seed=3)
+    model = _override(Qwen25Override, cfg, H.hf_reference_qwen2_5_vl, ReuseSettings(keep_image_order=False, recompute_ratio=0.0), seed=3)
     first, second = _prompts(cfg, [1, 2, 3], [4, 5, 6, 7, 8, 9])
     _run(model, first, SamcacheAttnBackend)
     pools = H.Pools.for_model(model, backend_factory=SamcacheAttnBackend)

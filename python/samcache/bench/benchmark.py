@@ -52,6 +52,7 @@ from samcache._checks import check_int
 from samcache.engine.prompt import user_message
 from samcache.synthetic import screenshot
 from samcache.recompute.methods import parse_methods
+from samcache.recompute.serving import keeps_image_order
 from samcache.bench.workloads import Trace
 
 
@@ -388,7 +389,10 @@ def run_benchmark(
 
     def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
         log = pathlib.Path(peer_log_dir) / f"{mode}-play{play_index}.log" if peer_log_dir else None
-        plugin = {"recompute_ratio": recompute[0]} if mode == "vllm-samcache" else None
+        # The plugin keeps the image order where samcache's own engine does (its calibrated curves decide).
+        keep = keeps_image_order(base.get("keep_image_order", "auto"), curves, recompute[0],
+                                 isolated=shared.image_attention.isolated)
+        plugin = {"recompute_ratio": recompute[0], "keep_image_order": keep} if mode == "vllm-samcache" else None
         out = run_trace([messages for messages, _ in prompts], model_path, python=vllm_python, threads=threads,
                         dtype=str(shared.dtype).replace("torch.", ""), max_model_len=peer_max_len,
                         warmup=peer_warm, log_path=log, samcache=plugin, logprobs=peer_fidelity)

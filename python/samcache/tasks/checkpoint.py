@@ -21,6 +21,8 @@ import shutil
 
 #: The folder of the shipped checkpoint, inside the package.
 SHIPPED = pathlib.Path(__file__).with_name("checkpoints") / "visual-qa"
+#: The same model fine-tuned to isolated image attention (samcache.profile.image_attention).
+SHIPPED_ISOLATED = pathlib.Path(__file__).with_name("checkpoints") / "visual-qa-isolated"
 CHECKSUMS = "SHA256SUMS"
 #: The files a shipped checkpoint holds (all of them checksummed).
 FILES = ("config.json", "generation_config.json", "model.safetensors", "processor_config.json", "tokenizer.json",
@@ -74,6 +76,12 @@ def trained_model() -> pathlib.Path:
     return verify(SHIPPED)
 
 
+def isolated_model() -> pathlib.Path:
+    """The shipped visual-QA checkpoint with isolated image attention (its images' KV does not
+    depend on their context: reused at any index exactly), verified against its checksums."""
+    return verify(SHIPPED_ISOLATED)
+
+
 def ship(trained, dest=SHIPPED) -> pathlib.Path:
     """Turn a training run's folder (float32, from :func:`samcache.tasks.training.train`) into a
     shipped checkpoint in ``dest``: weights in float16, the config saying so, every file
@@ -98,8 +106,17 @@ def ship(trained, dest=SHIPPED) -> pathlib.Path:
     for name in FILES:
         if name not in ("model.safetensors", "config.json"):
             shutil.copyfile(src / name, dest / name)
-    (dest / CHECKSUMS).write_text("".join(f"{_sha256(dest / n)}  {n}\n" for n in FILES))
+    names = list(FILES)
+    from samcache.profile.image_attention import declared
+
+    if declared(dest).isolated:  # its reuse profile travels with it (made for the float16 weights)
+        from samcache.profile.reuse_profile import PROFILE_FILE, make_profile, write_profile
+
+        write_profile(make_profile(dest, None), dest)
+        names.append(PROFILE_FILE)
+    (dest / CHECKSUMS).write_text("".join(f"{_sha256(dest / n)}  {n}\n" for n in names))
     return verify(dest)
 
 
-__all__ = ["CHECKSUMS", "FILES", "SHIPPED", "CheckpointError", "read_checksums", "ship", "trained_model", "verify"]
+__all__ = ["CHECKSUMS", "FILES", "SHIPPED", "SHIPPED_ISOLATED", "CheckpointError", "isolated_model", "read_checksums",
+           "ship", "trained_model", "verify"]
