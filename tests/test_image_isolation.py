@@ -227,3 +227,32 @@ def test_a_record_computed_after_another_sink_is_not_reused(engine):
     engine.pool.free_sequence(pre.seq)
     assert pre.metrics.image_kv_hits == 0 and pre.metrics.image_kv_misses == 1 and pre.metrics.isolated_tokens > 0
     assert_clean(engine)
+
+
+def test_link_tokens_are_text_in_context(isolated_checkpoint, tmp_path):
+    """Link tokens after each image (the chat template's): computed in context like any text, and
+    the engine still equals the masked reference; a template with none, or twice, is refused."""
+    from samcache.tasks.image_isolation import LINK_TOKEN, enable_link_tokens, link_tokens
+
+    folder = tmp_path / "linked"
+    shutil.copytree(isolated_checkpoint, folder)
+    enable_link_tokens(folder, 2)
+    assert link_tokens(folder) == 2 and link_tokens(isolated_checkpoint) == 0
+    with pytest.raises(ValueError, match="already writes link tokens"):
+        enable_link_tokens(folder, 2)
+    with pytest.raises(ValueError, match="link tokens must be an int >= 1"):
+        enable_link_tokens(isolated_checkpoint, 0)
+    engine = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=16 << 20)
+    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(folder)
+    link = processor.tokenizer.convert_tokens_to_ids(LINK_TOKEN)
+    a, b = screenshot(51, SIZE), screenshot(52, SIZE)
+    for msgs in (conversation("One.", [a, b]), conversation("Two, longer.", [b, a])):
+        prompt = engine.build_prompt(msgs)
+        assert int((prompt.token_ids == link).sum()) == 4
+        pre, logits = engine.prefill(prompt)
+        engine.pool.free_sequence(pre.seq)
+        with torch.no_grad():
+            ref, _ = forward_logits(model, hf_batch(processor, [msgs]), ImageAttention("isolated"))
+        torch.testing.assert_close(logits.float(), ref[0, -1], rtol=0, atol=2e-5)
+    assert pre.metrics.image_kv_hits == 2

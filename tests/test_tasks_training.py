@@ -206,3 +206,63 @@ def test_deepening_a_checkpoint_keeps_its_outputs(tmp_path):
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="extra"):
         deepen_checkpoint(tmp_path / "b", 0)
+
+
+def test_an_isolated_run_declares_its_attention_and_scores_teacher_forced(tmp_path):
+    """--image-attention isolated --vision-ids --link-tokens: the checkpoint declares how its images
+    attend, its template writes "Picture k: " and the link tokens, and its held-out curve is
+    teacher-forced (greedy decoding through generate() is causal only)."""
+    from samcache.profile.image_attention import declared
+    from samcache.tasks.image_isolation import link_tokens, vision_ids_enabled
+
+    small = dict(batch_size=2, eval_every=2, eval_examples=2, warmup=1, size=(84, 84), vision_steps=0,
+                 curriculum=((2, 1.0),), model_sizes=SIZES, evidence=True)
+    report = train(tmp_path, TrainConfig(steps=2, image_attention="isolated", vision_ids=True, link_tokens=2, **small),
+                   progress=False)
+    assert declared(tmp_path).isolated and vision_ids_enabled(tmp_path) and link_tokens(tmp_path) == 2
+    point = report["curve"][-1]
+    assert "accuracy_4_image" not in point
+    assert 0.0 <= point["forced_answers_4_image"] <= 1.0 and 0.0 < point["forced_description_1_image"] <= 1.0
+    with pytest.raises(ValueError, match="at least one layer must be isolated"):
+        train(tmp_path / "x", TrainConfig(steps=1, image_attention="isolated-top1", **small), progress=False)
+
+
+def test_teacher_forced_scores_a_perfect_and_a_wrong_reply(tmp_path):
+    """teacher_forced counts a reply's answer as right only when every token of it is predicted:
+    checked against a model forced to predict the labels (a fake logits source)."""
+    import torch
+
+    from samcache.engine.loading import load_processor
+    from samcache.random_checkpoints import build_tiny_model
+    from samcache.tasks import training
+
+    path = build_tiny_model("qwen2_5_vl", tmp_path / "m", **SIZES)
+    processor = load_processor(path)
+    ex = vqa.make_example(vqa.split_seed("test", 0), num_images=1, size=(84, 84))
+    convs = [vqa.messages(ex, dense=True, evidence=True)]
+
+    def oracle(shift):
+        def forward(model, batch, attention):
+            iso = {**batch, "labels": batch["labels"], "loss_weights": batch["loss_weights"]}
+            ids = batch["labels"].clone()
+            ids[ids < 0] = 0
+            logits = torch.nn.functional.one_hot(torch.roll(ids, -1, dims=1), 1088).float()
+            if shift:  # the very last answer token predicted wrong
+                tail = (batch["loss_weights"] == 2.0).nonzero()
+                b, t = tail[-1].tolist()
+                logits[b, t - 1] = torch.roll(logits[b, t - 1], 1)
+            return logits, iso
+        return forward
+
+    class Dummy(torch.nn.Module):
+        training = False
+
+    original = training.forward_logits
+    try:
+        training.forward_logits = oracle(False)
+        assert training.teacher_forced(Dummy(), processor, convs)["answers"] == 1.0
+        training.forward_logits = oracle(True)
+        got = training.teacher_forced(Dummy(), processor, convs)
+        assert got["answers"] == 0.0 and got["description_tokens"] == 1.0 and got["replies"] == 1
+    finally:
+        training.forward_logits = original

@@ -49,6 +49,41 @@ def vision_ids_enabled(checkpoint: str | pathlib.Path) -> bool:
     return path.is_file() and path.read_text().startswith(VISION_IDS_DEFAULT)
 
 
+#: What a chat template writes for an image, and the token it repeats after it as link tokens.
+IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
+LINK_TOKEN = "<|vision_pad|>"
+
+
+def enable_link_tokens(checkpoint: str | pathlib.Path, count: int) -> None:
+    """Make a checkpoint's chat template write ``count`` link tokens (``<|vision_pad|>``) after
+    each image: text tokens, so they attend in context (to the image and to its "Picture k: "),
+    always computed, binding an isolated image to its place (KVLink's link tokens)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"link tokens must be an int >= 1, got {count!r}")
+    path = pathlib.Path(checkpoint) / "chat_template.jinja"
+    text = path.read_text()
+    if text.count(IMAGE_MARKUP) != 1:
+        raise ValueError(f"{path}: expected the image markup {IMAGE_MARKUP} once, found it {text.count(IMAGE_MARKUP)} times")
+    if link_tokens(checkpoint):
+        raise ValueError(f"{path} already writes link tokens after each image")
+    path.write_text(text.replace(IMAGE_MARKUP, IMAGE_MARKUP + LINK_TOKEN * count))
+
+
+def link_tokens(checkpoint: str | pathlib.Path) -> int:
+    """How many link tokens a checkpoint's chat template writes after each image."""
+    path = pathlib.Path(checkpoint) / "chat_template.jinja"
+    if not path.is_file():
+        return 0
+    text = path.read_text()
+    at = text.find(IMAGE_MARKUP)
+    if at < 0:
+        return 0
+    rest, n = text[at + len(IMAGE_MARKUP):], 0
+    while rest.startswith(LINK_TOKEN):
+        rest, n = rest[len(LINK_TOKEN):], n + 1
+    return n
+
+
 def _image_spans(ids: Sequence[int], image_token: int) -> list[tuple[int, int]]:
     """[start, end) of each run of ``image_token`` in ``ids``."""
     spans, i, n = [], 0, len(ids)
@@ -208,5 +243,5 @@ def forward_logits(model, batch: dict, attention: ImageAttention) -> tuple[torch
     return logits, iso
 
 
-__all__ = ["VISION_IDS_DEFAULT", "enable_vision_ids", "forward_logits", "isolate_batch", "layer_masks",
-           "vision_ids_enabled"]
+__all__ = ["IMAGE_MARKUP", "LINK_TOKEN", "VISION_IDS_DEFAULT", "enable_link_tokens", "enable_vision_ids",
+           "forward_logits", "isolate_batch", "layer_masks", "link_tokens", "vision_ids_enabled"]

@@ -42,7 +42,7 @@ import torch
 
 from samcache._checks import check_int
 from samcache.profile.image_attention import CAUSAL, CONFIG_KEY, ImageAttention
-from samcache.tasks.image_isolation import enable_vision_ids, forward_logits
+from samcache.tasks.image_isolation import enable_link_tokens, enable_vision_ids, forward_logits, link_tokens
 
 #: The model trained by default: 4 text layers of hidden 256 (4 heads over 2 KV heads of 64
 #: dims), a 4-block vision tower of hidden 128.
@@ -111,6 +111,7 @@ class TrainConfig:
     device: str = "cpu"
     image_attention: str = "causal"  # how images attend (ImageAttention.parse): causal, isolated, ...
     vision_ids: bool = False  # "Picture k: " before each image (the chat template's add_vision_id, on by default)
+    link_tokens: int = 0  # link tokens the chat template writes after each image (in context, always computed)
     model_sizes: dict[str, Any] = field(default_factory=lambda: dict(MODEL_SIZES))
 
     def images_at(self, step: int) -> int:
@@ -450,6 +451,8 @@ def train(out_dir, config: TrainConfig | None = None, *, progress: bool = True) 
     attention = ImageAttention.parse(config.image_attention)
     if config.vision_ids:
         enable_vision_ids(out)
+    if config.link_tokens and link_tokens(out) != config.link_tokens:
+        enable_link_tokens(out, config.link_tokens)
     model = model_class("qwen2_5_vl").from_pretrained(out, dtype=torch.float32).to(device).train()
     attention.check_depth(model.config.text_config.num_hidden_layers)
     # The checkpoint declares how its images attend (every save writes the config).
@@ -552,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
                              "isolated-top<k> (top k layers in context); declared in the checkpoint")
     parser.add_argument("--vision-ids", action="store_true",
                         help='"Picture k: " before each image (the chat template\'s add_vision_id, made its default)')
+    parser.add_argument("--link-tokens", type=int, default=0, metavar="N",
+                        help="the chat template writes N link tokens after each image (text: in context, always "
+                             "computed; they bind an isolated image to its place)")
     parser.add_argument("--layers", type=int, default=MODEL_SIZES["num_hidden_layers"],
                         help="decoder layers of a new model (ignored with --init)")
     parser.add_argument("--heads", type=int, default=MODEL_SIZES["num_attention_heads"],
@@ -564,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                          vision_steps=args.vision_steps, dense_fraction=args.dense_fraction,
                          answer_weight=args.answer_weight, init_from=args.init, deepen=args.deepen, evidence=args.evidence, dense_eval=args.dense_fraction > 0,
                          size=tuple(args.image_size), device=args.device,
-                         image_attention=ImageAttention.parse(args.image_attention).name, vision_ids=args.vision_ids)
+                         image_attention=ImageAttention.parse(args.image_attention).name, vision_ids=args.vision_ids,
+                         link_tokens=args.link_tokens)
     config.model_sizes.update(num_hidden_layers=args.layers, num_attention_heads=args.heads,
                               num_key_value_heads=args.kv_heads)
     if args.images:
