@@ -113,10 +113,14 @@ def test_demo_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "samcache.demo", "--turns", "2", "--window", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    # First the trained model's answers, turn by turn, samcache beside the full prefill ...
-    assert "the trained visual-QA model" in out.stdout and "\nturn 1: " in out.stdout
-    assert out.stdout.count("  expected ") == 2 and "samcache answered " in out.stdout
-    assert out.stdout.index("samcache answered ") < out.stdout.index("GUI agent, window")
+    # First the two trained models' answers, turn by turn, samcache beside the full prefill: the
+    # isolated one reuses the moved screenshot and replies as the full prefill does ...
+    assert "the causal visual-QA model" in out.stdout and "the isolated visual-QA model" in out.stdout
+    assert out.stdout.count("    expected ") == 4 and "\n  turn 1: " in out.stdout
+    isolated = out.stdout[out.stdout.index("the isolated visual-QA model"):out.stdout.index("GUI agent, window")]
+    assert "isolated: " in isolated and "the full prefill's reply in 2 of 2 turns" in isolated
+    summary = next(line for line in isolated.splitlines() if line.startswith("  isolated: "))
+    assert summary.endswith("image tokens reused") and " 0 image tokens reused" not in summary
     # ... then the speed section.
     assert "median TTFT speedup" in out.stdout and "1 known+1 new" in out.stdout
     assert "vs prefix + ViT caching (today's engines)" in out.stdout and " sub 2 known+0 new" in out.stdout

@@ -164,9 +164,9 @@ def test_engine_reads_the_declaration(engine, tiny_checkpoints):
     causal = SAMcacheEngine(tiny_checkpoints["qwen2_5_vl"], device="cpu", kv_cache_bytes=4 << 20,
                             image_attention="isolated")
     assert causal.image_attention.isolated and "image-attention=isolated" in causal.model_id
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="not its input to the layers in context"):
         SAMcacheEngine(tiny_checkpoints["qwen2_5_vl"], device="cpu", kv_cache_bytes=4 << 20,
-                       image_attention="isolated-top1")
+                       image_attention="isolated-top1", host_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="M-RoPE"):
         SAMcacheEngine(tiny_checkpoints["internvl"], device="cpu", kv_cache_bytes=4 << 20, image_attention="isolated")
 
@@ -256,3 +256,35 @@ def test_link_tokens_are_text_in_context(isolated_checkpoint, tmp_path):
             ref, _ = forward_logits(model, hf_batch(processor, [msgs]), ImageAttention("isolated"))
         torch.testing.assert_close(logits.float(), ref[0, -1], rtol=0, atol=2e-5)
     assert pre.metrics.image_kv_hits == 2
+
+
+def test_top_layers_in_context_are_served_exactly(tmp_path):
+    """isolated-top2 on a 3-layer model: images isolated in layer 0, in context in layers 1-2. The
+    engine splices the lower layer's KV and computes the image rows of the top layers from their
+    kept input, first sight included: its logits equal the masked reference's, the image reused.
+    (isolated-top1 changes no output: the first layer in context computes the image's KV from
+    context-free inputs, and its outputs feed no layer.)"""
+    folder = build_tiny_model("qwen2_5_vl", tmp_path / "deep", num_hidden_layers=3)
+    declare(folder, ImageAttention("isolated"))
+    enable_vision_ids(folder)
+    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(folder)
+    attention = ImageAttention("isolated", context_layers=2)
+    engine = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=16 << 20, image_attention=attention)
+    a, b, c = screenshot(61, SIZE), screenshot(62, SIZE), screenshot(63, SIZE)
+    for msgs, hits in ((conversation("Short.", [a, b]), 0), (conversation("A longer system prompt.", [c, b, a]), 2)):
+        prompt = engine.build_prompt(msgs)
+        pre, logits = engine.prefill(prompt)
+        engine.pool.free_sequence(pre.seq)
+        batch = hf_batch(processor, [msgs])
+        with torch.no_grad():
+            ref, _ = forward_logits(model, batch, attention)
+            full, _ = forward_logits(model, batch, ImageAttention("isolated"))
+            top1, _ = forward_logits(model, batch, ImageAttention("isolated", context_layers=1))
+        torch.testing.assert_close(logits.float(), ref[0, -1], rtol=0, atol=2e-5)
+        assert (logits.float() - full[0, -1]).abs().max() > 1e-4  # the layers in context do matter
+        torch.testing.assert_close(top1[0, -1], full[0, -1], rtol=0, atol=1e-5)
+        image_tokens = sum(s.length for s in prompt.images)
+        assert pre.metrics.image_kv_hits == hits and pre.metrics.recomputed_token_layers == 2 * image_tokens
+        assert pre.metrics.exact_tokens == len(prompt)
+    assert_clean(engine)

@@ -131,3 +131,68 @@ def test_calibration_finds_that_the_trained_model_needs_its_images_in_order():
                                 keep_image_order=keep, share_weights_with=engine)
         last = [served.chat(messages=t.messages, max_new_tokens=4) for t in trace][-1]
         assert last.metrics.image_kv_hits == hits, keep  # the moved screenshot: prefilled again, or reused
+
+
+def test_the_shipped_isolated_checkpoint_declares_itself_and_carries_its_profile():
+    """The fine-tuned checkpoint with isolated image attention: intact, declaring its attention,
+    vision ids in its template, its reuse profile valid for it, and reading single screenshots
+    (16 held-out examples, through samcache's engine: its own attention)."""
+    from samcache.profile.image_attention import declared
+    from samcache.profile.reuse_profile import find_profile
+    from samcache.tasks.heldout import score_checkpoint
+    from samcache.tasks.image_isolation import vision_ids_enabled
+
+    folder = checkpoint.isolated_model()  # verified against its checksums, the profile included
+    assert declared(folder).isolated and vision_ids_enabled(folder)
+    profile = find_profile(folder)
+    assert profile is not None and profile.image_attention == declared(folder)
+    result = score_checkpoint(folder, examples=16, images=[1], progress=False)
+    assert result["image_attention"] == declared(folder).name and result["1_image"]["accuracy"] >= 0.625, result
+
+
+def test_the_isolated_model_reuses_moved_screenshots_with_the_full_prefills_replies():
+    """On a held-out gui trace (window 3: from the third turn on, every known screenshot sits at
+    another index), samcache's defaults reuse every known screenshot and reply as a full prefill
+    does, turn for turn."""
+    from samcache.bench.task_accuracy import reordered_turns, training_defaults
+    from samcache.engine import SAMcacheEngine
+    from samcache.tasks import visual_qa
+
+    folder = checkpoint.isolated_model()
+    trace = visual_qa.trace(visual_qa.split_seed("test", 2_000_001, 0), scenario="gui", turns=4, window=3,
+                            size=training_defaults(folder)["size"], dense=True)
+    assert reordered_turns(trace)[3]
+    full = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20, cache_enabled=False)
+    fast = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20, share_weights_with=full)
+    assert not fast.keeps_image_order()
+    for k, turn in enumerate(trace):
+        mine = fast.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+        ref = full.chat(messages=turn.messages, max_new_tokens=turn.max_new_tokens)
+        assert mine.token_ids == ref.token_ids, k
+        if k:
+            assert mine.metrics.image_reused_tokens > 0 and mine.metrics.recomputed_tokens == 0
+    fast.check_invariants()
+
+
+def test_the_engine_serves_the_isolated_model_as_its_masked_reference_decodes():
+    """Greedy replies of samcache's engine (every image computed alone, spliced) equal those of the
+    Hugging Face forward with explicit per-layer masks, on held-out multi-image questions."""
+    import torch
+
+    from samcache.engine import ChatRequest, SAMcacheEngine
+    from samcache.engine.loading import load_processor
+    from samcache.profile.image_attention import declared
+    from samcache.random_checkpoints import model_class
+    from samcache.tasks import visual_qa
+    from samcache.tasks.image_isolation import greedy_reply
+
+    folder = checkpoint.isolated_model()
+    model = model_class("qwen2_5_vl").from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(folder)
+    engine = SAMcacheEngine(folder, device="cpu", kv_cache_bytes=64 << 20, cache_enabled=False)
+    exs = [visual_qa.make_example(visual_qa.split_seed("test", 20_000 + i, 0), num_images=3, size=(84, 84))
+           for i in range(2)]
+    msgs = [visual_qa.messages(ex, dense=True, answer=False) for ex in exs]
+    served = engine.chat_batch([ChatRequest(messages=m, max_new_tokens=60) for m in msgs])
+    for m, got in zip(msgs, served):
+        assert got.text == greedy_reply(model, processor, m, declared(folder), 60)

@@ -332,7 +332,11 @@ class SAMcacheEngine:
                                   namespace=disk_namespace)
                        if tiers.host_prefix_cache_bytes and self.use_prefix else None)
         isolated = (IsolatedImages(self.image_attention, self.image_token_id, int(self.runner.config.vision_start_token_id),
-                                   self.geometry.merge_size) if self.image_attention.isolated else None)
+                                   self.geometry.merge_size, self.runner.num_layers)
+                    if self.image_attention.isolated else None)
+        if isolated is not None and isolated.context_from is not None and self.lower_tiers is not None:
+            raise ValueError(f"image_attention={self.image_attention.name!r}: the tiers below the pool keep an image's "
+                             "KV but not its input to the layers in context; use a fully isolated model with them")
         self.executor = Executor(self.runner, self.pool, self.vit, image_kv_store=self.image_kv_store,
                                  contexts=self.contexts, prefix_tier=prefix_tier, isolated=isolated)
 
@@ -603,9 +607,9 @@ class SAMcacheEngine:
                                  f"M-RoPE (Qwen-VL) models, not {self.family.name}")
             if self.compression is not None:
                 raise ValueError(f"image_attention={attention.name!r} does not combine with compression_enabled=True")
-            if attention.context_layers:
-                raise ValueError(f"image_attention={attention.name!r}: serving images isolated in the lower layers "
-                                 "only (top k in context) is not supported yet; serve a fully isolated checkpoint")
+            if attention.context_layers and self.runner.deepstack_layers:
+                raise ValueError(f"image_attention={attention.name!r}: images isolated in the lower layers only are "
+                                 "served for models without DeepStack features (Qwen2.5-VL)")
         return attention
 
     def keeps_image_order(self, recompute_ratio: float | None = None) -> bool:

@@ -41,6 +41,10 @@ class SequenceStep:
     index into the features per row, -1 for text).
     ``compaction``: the sequence's compacted layers (compression); ``compress``: image spans
     (start, length) this step compresses with ``compression`` (computed in full at every layer).
+    ``inject``: (layer, positions, hidden) rows whose input to ``layer`` is given (their first layer
+    computing them; an image kept in context in the top layers of an isolated model);
+    ``capture``: (layer, positions) rows whose input to ``layer`` the step keeps
+    (:attr:`StepBatch.captured`).
     """
 
     rows: np.ndarray
@@ -58,6 +62,9 @@ class SequenceStep:
     compression: CompressionSettings | None = None
     replays: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] | None = None  # (layer, positions, targets, weights)
     select: RowSelection | None = None  # the repair method picks the later layers' rows in the forward
+    inject: list[tuple[int, np.ndarray, torch.Tensor]] | None = None
+    capture: tuple[int, np.ndarray] | None = None
+    captured: torch.Tensor | None = None  # the captured rows' input to the capture layer, after the forward
 
 
 @dataclass
@@ -141,6 +148,9 @@ class StepBatch:
     steps: list[SequenceStep] = field(default_factory=list)
     offsets: np.ndarray | None = None  # first row of each sequence
     block_size: int = 0
+    injects: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (layer, rows, hidden)
+    captures: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (layer, rows), per sequence or None
+    captured: list[torch.Tensor | None] = field(default_factory=list)  # filled by the forward, per sequence
 
     @classmethod
     def build(cls, steps: list[SequenceStep], *, num_layers: int, block_size: int,
@@ -184,6 +194,19 @@ class StepBatch:
         batch.all_rows = RowSubset(all_index, slots_t, meta, *batch._visual(None))
         batch.replan(0)
         for s, off in zip(steps, offsets):
+            for layer, positions, hidden in s.inject or ():
+                local = np.searchsorted(s.rows, positions)
+                if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], positions)):
+                    raise ValueError("injected rows must be among the step's rows")
+                batch.injects.append((layer, torch.from_numpy(off + local).to(device), hidden))
+            if s.capture is not None:
+                layer, positions = s.capture
+                local = np.searchsorted(s.rows, positions)
+                if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], positions)):
+                    raise ValueError("captured rows must be among the step's rows")
+                batch.captures.append((layer, torch.from_numpy(off + local).to(device)))
+            else:
+                batch.captures.append(None)
             for layer, positions, targets, weights in s.replays or ():
                 local = np.searchsorted(s.rows, positions)
                 if local.size and (local[-1] >= s.rows.size or not np.array_equal(s.rows[local], positions)):

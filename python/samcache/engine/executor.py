@@ -267,7 +267,11 @@ class Executor:
             replays = []
             if packed and plan.recompute is not None:
                 plan, replays = self.compressed.close_groups(plan, packed, held, layout, compaction)
-            step = self.sequence_step(prompt, plan, table, vit)
+            inject = []
+            if self.isolated is not None and self.isolated.context_from is not None and not options.image_segment:
+                layer_rows, inject = self.isolated.top_layers(plan, layout, held)
+                plan = replace(plan, layer_rows=layer_rows)
+            step = self.sequence_step(prompt, plan, table, vit, inject)
             if load is not None:
                 step.before_layer = load.before_layer
             if compaction is not None:
@@ -292,6 +296,9 @@ class Executor:
             m.recomputed_tokens = int(np.setdiff1d(plan.rows, plan.new_rows).size)
             m.recomputed_token_layers = sum(int(np.setdiff1d(r, plan.new_rows).size) for r in plan.layer_rows)
         m.recompute_rates = plan.recompute_rates
+        if step.inject:  # isolated in the lower layers only: the spliced images' top layers, in context
+            m.recomputed_token_layers += sum(len(positions) for _, positions, _ in step.inject) * (
+                runner.num_layers - self.isolated.context_from)
         m.exact_tokens = plan.exact_tokens
         return Prepared(seq, prompt, namespace, options, plan, step, m, vit, hashed, load, loaded, step.compaction,
                         compressed_from)
@@ -304,10 +311,14 @@ class Executor:
         ``held``) and their side sequences."""
         found: dict = {}
         missing: list[ImageSlot] = []  # the first slot of each image no cache holds
+        top = self.isolated.context_from is not None
         for slot in layout.images:
             if slot.end > adopted and slot.key not in found:
-                found[slot.key] = lookup(slot) if options.use_image_kv else None
-                if found[slot.key] is None:
+                got = lookup(slot) if options.use_image_kv else None
+                if got is not None and top and getattr(got[1], "hidden", None) is None:
+                    got = None  # the top layers need the image's input to them (not kept by the tiers below)
+                found[slot.key] = got
+                if got is None:
                     missing.append(slot)
         side_options = RequestOptions(use_prefix=False, use_image_kv=False, register_prefix=False, store_images=False,
                                       use_vit=options.use_vit, vit_namespace=options.vit_namespace,
@@ -335,7 +346,7 @@ class Executor:
                 continue
             self.image_kv_store.put(slot.key, h.seq, h.offset, h.length, h.position,
                                     check=self.kv_check(prompt.images[slot.index], prompt=prompt), namespace=namespace,
-                                    exact=True)
+                                    exact=True, hidden=h.hidden)
 
     def _free(self, seqs: list[int]) -> list[int]:
         for seq in seqs:
@@ -458,18 +469,28 @@ class Executor:
             out[key] = out.get(key, 0.0) + float(mass[s.start:s.start + s.length].sum())
         return out
 
-    def sequence_step(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict) -> SequenceStep:
+    def sequence_step(self, prompt: Prompt, plan: ReusePlan, table: np.ndarray, vit: dict,
+                      inject: list | None = None) -> SequenceStep:
         """The forward's input for ``plan``, which must be complete: its declared second phase
         (relevance scores, ``plan.needs_scores``) done. Only a choice the plan declares to happen in
-        the forward (``plan.select_layer``) is left to it."""
+        the forward (``plan.select_layer``) is left to it. ``inject``: (layer, positions, hidden)
+        rows that start at a later layer from a given input (their layer-0 input is not computed)."""
         if plan.needs_scores:
             raise RuntimeError("the reuse plan is incomplete: its repair order needs relevance scores "
                                "(ReusePlan.with_scores) before the forward may run it")
         rows = plan.rows
+        if inject:
+            rows = np.union1d(rows, np.concatenate([positions for _, positions, _ in inject]))
+            embeds = torch.zeros((rows.size, self.runner.hidden_size), dtype=self.runner.dtype, device=self.runner.device)
+            first = plan.layer_rows[0]
+            embeds[torch.from_numpy(np.searchsorted(rows, first)).to(embeds.device)] = self.embeds(prompt, first, vit)
+        else:
+            embeds = self.embeds(prompt, rows, vit)
         step = SequenceStep(
-            rows=rows, embeds=self.embeds(prompt, rows, vit), positions=prompt.positions[:, torch.from_numpy(rows)],
+            rows=rows, embeds=embeds, positions=prompt.positions[:, torch.from_numpy(rows)],
             block_table=table, num_kv_tokens=len(prompt),
             layer_rows=None if all(r.size == rows.size for r in plan.layer_rows) else list(plan.layer_rows),
+            inject=inject or None,
         )
         if plan.select_layer is not None and step.layer_rows is not None:
             step.select = self.row_selection(plan)
@@ -528,7 +549,11 @@ class Executor:
             if batch.layers.count(None) != len(batch.layers):
                 raise ValueError("every_row needs a step that computes all its rows at every layer")
             batch.logit_rows = batch.all_rows.index
-        return r.forward(batch)
+        logits = r.forward(batch)
+        for step, captured in zip(batch.steps, batch.captured):
+            if captured is not None:
+                step.captured = captured
+        return logits
 
     def prefill(self, prompt: Prompt, namespace: Namespace, options: RequestOptions) -> tuple[Prepared, torch.Tensor]:
         """Stages 1 and 2 of one request, nothing registered: its prepared sequence (the caller

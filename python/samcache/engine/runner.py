@@ -212,9 +212,16 @@ class ModelRunner:
         h = batch.embeds.to(self.device, self.dtype).clone()
         cos_all, sin_all = self.rope(batch.positions, h)
         sin_all = _signed_sin(sin_all)
+        batch.captured = [None] * len(batch.captures)
         for l, layer in enumerate(self.layers):
             for hook in batch.before_layer:  # KV loading from a lower tier: wait for this layer's
                 hook(l)
+            for i, capture in enumerate(batch.captures):
+                if capture is not None and capture[0] == l:
+                    batch.captured[i] = h.index_select(0, capture[1]).clone()
+            for layer_at, rows_at, hidden in batch.injects:
+                if layer_at == l:
+                    h.index_copy_(0, rows_at, hidden.to(h.device, h.dtype))
             sub = batch.layers[l] or batch.all_rows
             rows = None if batch.layers[l] is None else sub.index
             if rows is None:

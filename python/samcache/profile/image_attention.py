@@ -17,7 +17,9 @@ engine's executor, both plugins) compute exactly this.
 
 ``context_layers`` = k > 0 keeps the top k layers in context: images are isolated in layers
 ``0 .. L-k-1`` only, so their hidden state entering layer ``L-k`` is context-free; a reuse then
-recomputes the image's top k layers in context (exact, at k/L of the image's cost).
+recomputes the image's top k layers in context (exact, at k/L of the image's cost). k = 1 changes
+no output: layer ``L-1`` computes the image's KV from its context-free input, and the image's
+outputs of that layer feed nothing; context first reaches the image's KV at k = 2.
 
 Why a sink: an isolated image with nothing to put its attention on loses its content (a colour, a
 cell) even for the first screenshot; with the prompt's first token to attend to, it reads as a

@@ -94,6 +94,9 @@ def write_profile(profile: ReuseProfile, path: str | os.PathLike) -> pathlib.Pat
         path = path / PROFILE_FILE
     fd, tmp = tempfile.mkstemp(prefix=".samcache_profile.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # readable as any file written here (mkstemp makes it private)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(profile.to_dict(), f, indent=1)
         os.replace(tmp, path)

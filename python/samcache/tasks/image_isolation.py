@@ -243,5 +243,35 @@ def forward_logits(model, batch: dict, attention: ImageAttention) -> tuple[torch
     return logits, iso
 
 
+@torch.no_grad()
+def greedy_reply(model, processor, messages: list[dict], attention: ImageAttention, max_new_tokens: int) -> str:
+    """A greedy reply to ``messages`` (samcache chat messages, images as arrays) under
+    ``attention``, decoded with the masked forward of the whole sequence at every step (no KV
+    cache): slow, but defined for every variant, the ones no engine serves included."""
+    import numpy as np
+    from PIL import Image
+
+    from samcache.tasks.training import _chat
+
+    chat, images = _chat(messages)
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    batch = dict(processor(text=[text], images=[Image.fromarray(np.asarray(im)) for im in images] or None,
+                           return_tensors="pt"))
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits, _ = forward_logits(model, batch, attention)
+        token = int(logits[0, -1].argmax())
+        if token == end:
+            break
+        out.append(token)
+        grow = torch.tensor([[token]], dtype=batch["input_ids"].dtype)
+        batch["input_ids"] = torch.cat([batch["input_ids"], grow], dim=1)
+        batch["attention_mask"] = torch.cat([batch["attention_mask"], torch.ones_like(grow)], dim=1)
+        batch["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(grow).to(
+            batch["mm_token_type_ids"].dtype)], dim=1)
+    return processor.tokenizer.decode(out, skip_special_tokens=True)
+
+
 __all__ = ["IMAGE_MARKUP", "LINK_TOKEN", "VISION_IDS_DEFAULT", "enable_link_tokens", "enable_vision_ids",
-           "forward_logits", "isolate_batch", "layer_masks", "link_tokens", "vision_ids_enabled"]
+           "forward_logits", "greedy_reply", "isolate_batch", "layer_masks", "link_tokens", "vision_ids_enabled"]

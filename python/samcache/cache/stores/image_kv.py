@@ -58,6 +58,7 @@ class HeldImage:
     merges: tuple = ()  # packed: its stages' merges (layer, token offsets, target offsets, weights)
     index: int | None = None  # the image's index among its prompt's images when computed (None: alone, or unknown)
     exact: bool = False  # a full prefill's KV at any position (isolated image attention, computed here, lossless)
+    hidden: Any = None  # isolated in the lower layers only: the image tokens' input to the first layer in context
 
     @property
     def packed(self) -> bool:
@@ -129,11 +130,13 @@ class ImageKVStore:
 
     # ---- inserts and evictions --------------------------------------------------------------------
     def put(self, key: ContentKey, seq: int, start: int, length: int, position: int, check: Any = None,
-            namespace: Namespace | None = None, index: int | None = None, exact: bool = False) -> bool:
+            namespace: Namespace | None = None, index: int | None = None, exact: bool = False,
+            hidden: Any = None) -> bool:
         """Hold the KV of tokens ``[start, start + length)`` of live sequence ``seq`` (already written)
         under ``key``, computed as image ``index`` of its prompt (None: alone); ``exact``: it is a
-        full prefill's KV wherever it is re-rotated to (:attr:`HeldImage.exact`). False if the key
-        is present or the image alone exceeds the capacity."""
+        full prefill's KV wherever it is re-rotated to (:attr:`HeldImage.exact`); ``hidden``: the
+        tokens' input to the first layer they attend in context (:attr:`HeldImage.hidden`). False if
+        the key is present or the image alone exceeds the capacity."""
         if index is not None:
             check_int("index", index, 0)
         check_int("start", start, 0)
@@ -148,8 +151,10 @@ class ImageKVStore:
             self.entries.stats.rejected += 1
             return False
         holder = self.pool.share_blocks(seq, first, last - first + 1)
+        if hidden is not None:
+            size += hidden.numel() * hidden.element_size()
         return self._keep(HeldImage(holder, start - first * bs, length, position, key, namespace, check, index=index,
-                                    exact=bool(exact)), size)
+                                    exact=bool(exact), hidden=hidden), size)
 
     def put_packed(self, key: ContentKey, kept: tuple[np.ndarray, ...], source_rows: np.ndarray, length: int,
                    position: int, copy_rows: Callable[[np.ndarray, np.ndarray], None], check: Any = None,
