@@ -18,7 +18,7 @@ from samcache.cli import main as cli  # noqa: E402
 from samcache.profile.image_attention import declared  # noqa: E402
 from samcache.profile.reuse_profile import read_profile  # noqa: E402
 from samcache.tasks.adapt import RECORD, STATE, AdaptConfig, adapt  # noqa: E402
-from samcache.tasks.image_isolation import vision_ids_enabled  # noqa: E402
+from samcache.tasks.image_isolation import link_tokens, vision_ids_enabled  # noqa: E402
 
 
 @pytest.fixture()
@@ -39,8 +39,8 @@ def weights(folder):
 
 def test_adapt_writes_an_isolated_checkpoint_with_its_profile(base, tmp_path):
     out = tmp_path / "out"
-    record = adapt(base, out, small(), progress=False)
-    assert declared(out).isolated and vision_ids_enabled(out)
+    record = adapt(base, out, small(link_tokens=2), progress=False)
+    assert declared(out).isolated and vision_ids_enabled(out) and link_tokens(out) == 2
     assert read_profile(out, out).image_attention.isolated
     assert json.loads((out / RECORD).read_text())["curve"][-1]["step"] == 4 == record["curve"][-1]["step"]
     assert not (out / STATE).exists()

@@ -31,7 +31,7 @@ import torch
 
 from samcache._checks import check_int
 from samcache.profile.image_attention import CONFIG_KEY, ImageAttention
-from samcache.tasks.image_isolation import enable_vision_ids
+from samcache.tasks.image_isolation import enable_link_tokens, enable_vision_ids, link_tokens
 from samcache.tasks.training import encode_batch, teacher_forced, weighted_loss
 
 STATE = "adapt_state.pt"
@@ -44,11 +44,13 @@ LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_p
 class AdaptConfig:
     """``steps`` optimizer steps of ``batch_size`` conversations at ``lr`` (warm-up, cosine decay);
     ``lora_rank`` 0 fine-tunes every weight (the vision tower at a tenth of ``lr``), R > 0 trains
-    rank-R adapters on the language model only; ``answer_weight``: the loss weight of the answer
+    rank-R adapters on the language model only; ``link_tokens``: the chat template writes that many
+    link tokens after each image (in context, always computed); ``answer_weight``: the loss weight of the answer
     part of synthetic replies; ``eval_every`` / ``eval_examples``: teacher-forced held-out scores
     (synthetic data); ``save_every``: the resumable state."""
 
     image_attention: str = "isolated"
+    link_tokens: int = 0
     data: str = "synthetic"
     steps: int = 900
     batch_size: int = 16
@@ -68,7 +70,8 @@ class AdaptConfig:
         attention = ImageAttention.parse(self.image_attention)
         if not attention.isolated:
             raise ValueError(f"--image-attention {self.image_attention!r}: adapt trains isolated image attention")
-        for name, minimum in (("steps", 1), ("batch_size", 1), ("warmup", 0), ("lora_rank", 0), ("eval_every", 1),
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("warmup", 0), ("lora_rank", 0), ("link_tokens", 0),
+                              ("eval_every", 1),
                               ("eval_examples", 0), ("save_every", 1), ("threads", 1), ("seed", 0)):
             check_int(f"--{name.replace('_', '-')}", getattr(self, name), minimum)
         for name in ("lr", "answer_weight"):
@@ -227,6 +230,8 @@ def adapt(model, out, config: AdaptConfig | None = None, *, resume: bool = False
     if state is None:
         _prepare_output(model, out)
     enable_vision_ids(out)
+    if config.link_tokens and link_tokens(out) != config.link_tokens:
+        enable_link_tokens(out, config.link_tokens)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     net = model_class("qwen2_5_vl").from_pretrained(out, dtype=torch.float32)
@@ -308,6 +313,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="the adapted checkpoint's folder")
     parser.add_argument("--data", default=d.data, help="'synthetic' (the visual-QA tasks) or a .jsonl of conversations")
     parser.add_argument("--image-attention", default=d.image_attention, help="isolated (default) or isolated-nosink")
+    parser.add_argument("--link-tokens", type=int, default=d.link_tokens, metavar="N",
+                        help="link tokens after each image (text in context, always computed; default none)")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--lr", type=float, default=d.lr)
@@ -326,7 +333,8 @@ def add_arguments(parser) -> None:
 
 
 def config_of(args) -> AdaptConfig:
-    return AdaptConfig(image_attention=args.image_attention, data=args.data, steps=args.steps, batch_size=args.batch_size,
+    return AdaptConfig(image_attention=args.image_attention, link_tokens=args.link_tokens, data=args.data,
+                       steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, warmup=args.warmup, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                        answer_weight=args.answer_weight, eval_every=args.eval_every, eval_examples=args.eval_examples,
                        save_every=args.save_every, seed=args.seed, threads=args.threads, device=args.device)

@@ -251,9 +251,9 @@ def greedy_reply(model, processor, messages: list[dict], attention: ImageAttenti
     import numpy as np
     from PIL import Image
 
-    from samcache.tasks.training import _chat
+    from samcache.engine.prompt import normalize_messages
 
-    chat, images = _chat(messages)
+    chat, images = normalize_messages(messages)
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     batch = dict(processor(text=[text], images=[Image.fromarray(np.asarray(im)) for im in images] or None,
                            return_tensors="pt"))
