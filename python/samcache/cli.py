@@ -303,6 +303,12 @@ def _report(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from samcache.serve.main import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from samcache.bench.benchmark import MODES
     from samcache.bench.task_accuracy import SCENARIO_KINDS
@@ -313,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="samcache", description="samcache: multimodal agent KV reuse")
     p.add_argument("--version", action="version", version=f"samcache {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,eval,calibrate,adapt,report}")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="{bench,eval,calibrate,adapt,serve,report}")
     b = sub.add_parser("bench", help="run an agent workload benchmark",
                        description=f"Run a scenario through several modes of the engine. Modes: {', '.join(MODES)}.")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
@@ -435,6 +441,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(a)
     a.set_defaults(func=_adapt)
+    s = sub.add_parser("serve", help="serve a model over OpenAI's chat-completions API (streaming, metrics)",
+                       description="Serve a checkpoint with samcache's engine behind an OpenAI-compatible HTTP API: "
+                                   "POST /v1/chat/completions (streaming or not, images as base64 data URLs), "
+                                   "GET /v1/models, /health and /metrics (Prometheus). Requests join the running "
+                                   "batch at the next step.")
+    from samcache.serve.main import add_arguments as serve_arguments
+
+    serve_arguments(s)
+    s.set_defaults(func=_serve)
     r = sub.add_parser("report", help="rebuild report.md and the plots from results.json")
     r.add_argument("results", help="a results.json, or the folder of a run that holds one")
     r.add_argument("--out", help="output folder (default: the folder of results.json)")

@@ -13,6 +13,9 @@ The engine's input errors are ``ValueError`` subclasses, so ``except ValueError`
 - ``ImageLoadError``: an image that cannot be read or decoded.
 - ``PromptTooLong``: a prompt that does not fit the KV pool or the model's positions.
 
+``RequestCancelled`` (RuntimeError): a request of the online step loop that its caller cancelled
+(a closed stream) before it finished; its blocks are freed at the next step.
+
 Bad arguments raise ``ValueError``/``TypeError``; out-of-range block ids raise ``IndexError``.
 """
 
@@ -31,4 +34,9 @@ class PromptTooLong(ValueError):
     """The prompt needs more KV blocks than the pool has, or more positions than the model."""
 
 
-__all__ = ["CacheFull", "ImageLoadError", "InvariantViolation", "NotFound", "OutOfBlocks", "PromptTooLong", "UnsupportedModel"]
+class RequestCancelled(RuntimeError):
+    """The request was cancelled before it finished (its caller went away)."""
+
+
+__all__ = ["CacheFull", "ImageLoadError", "InvariantViolation", "NotFound", "OutOfBlocks", "PromptTooLong",
+           "RequestCancelled", "UnsupportedModel"]

@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,9 @@ from samcache.reuse import RecomputeBudget
 from samcache.cache.stores import ImageKVStore
 from samcache.cache.tiers import DiskTier, LowerTiers, RemoteTier
 from samcache.cache.tiers.prefix import PrefixTier
+
+if TYPE_CHECKING:
+    from samcache.engine.online import OnlineLoop
 
 
 @dataclass
@@ -298,6 +301,7 @@ class SAMcacheEngine:
         self.prefetch_horizon = config.eviction.prefetch_horizon
         self.seed = seed
         self._turns = 0
+        self._online = None  # the background step loop, once start_online() runs
         self._lock = threading.RLock()
 
     def _build_stores(self, cache: CacheConfig, tiers: TierConfig) -> None:
@@ -433,6 +437,14 @@ class SAMcacheEngine:
         if self.vit.disk is not None:
             out["vit_disk"] = self.vit.disk.stats()
         return out
+
+    def memory_stats(self) -> dict:
+        """What the engine's memory holds now, read between two steps: the pool's counters
+        (``BlockPool.stats()``), ``image_kv_records`` / ``image_kv_bytes`` (images held for reuse)
+        and ``tiers`` (:meth:`tier_stats`)."""
+        with self._lock:
+            return {"pool": self.pool.stats(), "image_kv_records": len(self.image_kv_store),
+                    "image_kv_bytes": self.image_kv_store.used_bytes, "tiers": self.tier_stats()}
 
     def prefetch_plan(self, horizon: int = 2) -> list:
         """With ``eviction_policy="workflow"``: the cached items (image content keys, and
@@ -693,6 +705,9 @@ class SAMcacheEngine:
         return adm, list(history)
 
     def _serve(self, requests: list[ChatRequest]) -> list:
+        online = self._online
+        if online is not None and online.running and not online.in_loop_thread():
+            return online.serve(requests)  # the running loop's batch: requests join it, nothing waits for a lock
         with self._lock:
             start = time.perf_counter()
             results: list = [None] * len(requests)
@@ -703,34 +718,62 @@ class SAMcacheEngine:
                     where.append(i)
                 except Exception as e:  # noqa: BLE001 - this request's bad input only
                     results[i] = e
-            if self.priorities is not None:
-                self.priorities.apply()
-            self._prefetch_admitted([a for a, _ in admitted])
+            self._before_turns([a for a, _ in admitted])
             done = self.scheduler.run([a for a, _ in admitted])
             for i, (adm, history), out in zip(where, admitted, done):
-                if self.priorities is not None and not isinstance(out, BaseException):
-                    images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index],
-                                                                                 adm.options.compression,
-                                                                                 prompt=adm.prompt))
-                              for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
-                    self.priorities.record(requests[i].agent, images, out.blocks, out.attention)
-                results[i] = out if isinstance(out, BaseException) else self._result(requests[i], adm, history, out)
-            if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
-                self.prefetch(wait=False)  # the next agents' images come up while the caller goes on
-            if self.lower_tiers is not None:
-                # Published while the turns decoded; in the shared store before the call returns, so
-                # another instance the caller tells next finds it.
-                self.lower_tiers.flush()
-            if self.executor.tiers.prefix_tier is not None:
-                self.executor.tiers.prefix_tier.flush()
-            reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
-            if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
-                order = (" and (keep_image_order='auto') images are reused only at their own index"
-                         if self.keep_image_order == "auto" and not self.image_attention.isolated else "")
-                warnings.warn(f"no sensitivity curves for this model yet: the recompute budget is uniform across layers{order} "
-                              "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=3)  # chat's caller
-                self._warned_uniform = True
+                results[i] = self._complete(requests[i], adm, history, out)
+            self._after_turns(done)
             return results
+
+    def _before_turns(self, admitted: list[Admission]) -> None:
+        """Before admitted turns join the step loop: the eviction priorities, the tiers' prefetch."""
+        if self.priorities is not None:
+            self.priorities.apply()
+        self._prefetch_admitted(admitted)
+
+    def _complete(self, req: ChatRequest, adm: Admission, history: list[dict], out):
+        """A request's result once the step loop is done with it (its exception passed through)."""
+        if isinstance(out, BaseException):
+            return out
+        if self.priorities is not None:
+            images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index], adm.options.compression,
+                                                                   prompt=adm.prompt))
+                      for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
+            self.priorities.record(req.agent, images, out.blocks, out.attention)
+        return self._result(req, adm, history, out)
+
+    def _after_turns(self, done: list) -> None:
+        """After turns ended: the next agents' prefetch, what the tiers hold published."""
+        if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
+            self.prefetch(wait=False)  # the next agents' images come up while the caller goes on
+        if self.lower_tiers is not None:
+            # Published while the turns decoded; in the shared store before the call returns, so
+            # another instance the caller tells next finds it.
+            self.lower_tiers.flush()
+        if self.executor.tiers.prefix_tier is not None:
+            self.executor.tiers.prefix_tier.flush()
+        reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
+        if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:
+            order = (" and (keep_image_order='auto') images are reused only at their own index"
+                     if self.keep_image_order == "auto" and not self.image_attention.isolated else "")
+            warnings.warn(f"no sensitivity curves for this model yet: the recompute budget is uniform across layers{order} "
+                          "until engine.calibrate() runs (or pass sensitivity=...)", stacklevel=4)  # chat's caller
+            self._warned_uniform = True
+
+    # ---- online serving -----------------------------------------------------------------------
+    def start_online(self, *, max_model_len: int | None = None) -> "OnlineLoop":
+        """Serve from a background step loop (:class:`samcache.engine.online.OnlineLoop`):
+        requests submitted from any thread or coroutine join the running batch at the next step
+        and stream their tokens; ``chat`` and ``chat_batch`` from other threads go through it too.
+        ``max_model_len`` bounds a request's prompt and reply together. Returns the loop (started
+        once; :meth:`OnlineLoop.stop` ends it)."""
+        from samcache.engine.online import OnlineLoop
+
+        with self._lock:
+            if self._online is None or not self._online.running:
+                self._online = OnlineLoop(self, max_model_len=max_model_len)
+                self._online.start()
+            return self._online
 
     def _prefetch_admitted(self, admitted: list[Admission]) -> int:
         """As soon as the admitted turns' plans are known, start bringing the images they will take

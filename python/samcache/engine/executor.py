@@ -380,7 +380,7 @@ class Executor:
         the approximate rest not (``append_slots`` makes the sequence uncacheable from there), nor
         anything from the first compressed image on (its blocks hold compacted rows)."""
         pool, bs, n = self.pool, self.pool.block_size, len(prompt)
-        self._make_room(-(-n // bs) - adopted // bs, "the prompt", PromptTooLong)
+        self._make_room(-(-n // bs) - adopted // bs, "the prompt", OutOfBlocks)  # others hold them now
         exact_until = n if options.approximate_prefix else max(adopted, plan.exact_tokens)
         if compressed_from is not None:
             exact_until = max(adopted, min(exact_until, compressed_from))

@@ -1,0 +1,252 @@
+"""The engine served online: one background thread drives the step loop while requests arrive.
+
+``SAMcacheEngine.chat_batch`` serves a list to completion; a server cannot wait for a list. The
+:class:`OnlineLoop` owns the engine's step loop (:class:`~samcache.engine.scheduler.Scheduler`) in
+a thread of its own. A request submitted from any thread or coroutine (:meth:`OnlineLoop.submit`)
+is admitted at the next step and prefilled beside the running requests' decode rows; every token
+is handed to the request's callback as soon as it is sampled; a cancelled request (a client that
+went away) is dropped, and its blocks freed, at the next step. The engine's lock is held for one
+step at a time, so ``chat`` and ``chat_batch`` called from other threads meanwhile join the same
+loop (``SAMcacheEngine._serve`` routes them here) instead of waiting for it to drain.
+
+Outputs equal serving each request alone: a request's rows in a step are computed as they would be
+alone (the step loop's invariant), whoever shares the step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from samcache._checks import check_int
+from samcache.engine.scheduler import Ticket
+from samcache.errors import PromptTooLong, RequestCancelled
+
+
+class LoopStopped(RuntimeError):
+    """The online loop is stopping or stopped: it takes no new requests."""
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request: ``future`` resolves to its ``ChatResult`` (or its exception);
+    :meth:`cancel` ends it at the next step (the future then raises :class:`RequestCancelled`)."""
+
+    request: Any
+    on_token: Callable[[int], bool | None] | None = None
+    fill: bool = False  # decode up to the loop's max_model_len (the request's max_new_tokens is ignored)
+    submitted: float = field(default_factory=time.perf_counter)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def result(self, timeout: float | None = None):
+        return self.future.result(timeout)
+
+
+@dataclass(eq=False)
+class _Live:
+    handle: RequestHandle
+    ticket: Ticket
+    admission: Any
+    history: list
+
+
+class OnlineLoop:
+    """The step loop of ``engine`` in a background thread (``engine.start_online()`` makes one)."""
+
+    def __init__(self, engine, *, max_model_len: int | None = None, poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.max_model_len = None if max_model_len is None else check_int("max_model_len", max_model_len, 2)
+        self.poll_s = poll_s
+        self._inbox: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
+        self._live: list[_Live] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._accepting = True
+        self._gate = threading.Lock()  # submit vs stop: nothing lands in the inbox after the loop's last look
+        self.error: BaseException | None = None  # what ended the thread, if not a stop
+        self.steps = 0
+
+    # -- the caller's side ---------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def live(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._live)
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("this OnlineLoop was started already; engine.start_online() makes a new one")
+        self._thread = threading.Thread(target=self._run, name="samcache-step-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request, on_token: Callable[[int], bool | None] | None = None, *, fill: bool = False
+               ) -> RequestHandle:
+        """Queue ``request`` (a ``ChatRequest``); it joins the running batch at the next step.
+        ``on_token(token_id)`` is called from the loop's thread with each sampled token; a true
+        return ends the request there (finish reason "stop"). ``fill``: decode until the prompt and
+        reply reach ``max_model_len`` (or an end token)."""
+        if fill and self.max_model_len is None:
+            raise ValueError("fill=True needs the loop's max_model_len")
+        handle = RequestHandle(request, on_token, fill)
+        with self._gate:
+            if not self._accepting or not self.running:
+                raise LoopStopped("samcache's online loop is not running (stopped, or not started)")
+            self._inbox.put(handle)
+        return handle
+
+    def serve(self, requests: Sequence) -> list:
+        """Every request of ``requests`` through the loop; each result or its exception, in order."""
+        handles = [self.submit(r) for r in requests]
+        results = []
+        for h in handles:
+            try:
+                results.append(h.result())
+            except Exception as e:  # noqa: BLE001 - that request's failure, as chat_batch reports it
+                results.append(e)
+        return results
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Take no new requests, finish the ones in flight, flush the tiers, end the thread. Past
+        ``timeout`` seconds the rest are cancelled (their callers get :class:`RequestCancelled`)."""
+        with self._gate:
+            self._accepting = False
+        self._stopping.set()
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            for live in list(self._live):
+                live.handle.cancel()
+            thread.join()
+
+    # -- the loop's thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                arrived = self._take(wait=not self._live)
+                if not self._live and not arrived and self._stopping.is_set():
+                    with self._gate:  # a submit that passed the gate before stop() is in the inbox now
+                        late = self._drain()
+                    if not late:
+                        break
+                    arrived = late
+                with engine._lock:
+                    if arrived:
+                        self._admit(arrived)
+                    for live in self._live:
+                        if live.handle.cancelled:
+                            engine.scheduler.cancel(live.ticket)
+                    if self._live:
+                        engine.scheduler.step()
+                        self.steps += 1
+                    ended = [live for live in self._live if live.ticket.done]
+                    if ended:
+                        self._live = [live for live in self._live if not live.ticket.done]
+                        self._finish(ended)
+        except BaseException as e:  # noqa: BLE001 - every caller learns why, then the thread ends
+            self.error = e
+            with self._gate:
+                self._accepting = False
+            with engine._lock:
+                engine.scheduler.abort(e)
+            for live in self._live:
+                self._settle(live.handle, e)
+            for handle in self._drain():
+                self._settle(handle, e)
+            self._live = []
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            with engine._lock:
+                engine._after_turns([])
+
+    def _take(self, wait: bool) -> list[RequestHandle]:
+        got = []
+        if wait:
+            try:
+                got.append(self._inbox.get(timeout=self.poll_s))
+            except queue.Empty:
+                return []
+        return got + self._drain()
+
+    def _drain(self) -> list[RequestHandle]:
+        got = []
+        while True:
+            try:
+                got.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return got
+
+    def _admit(self, handles: list[RequestHandle]) -> None:
+        engine, admitted = self.engine, []
+        for handle in handles:
+            if handle.cancelled:
+                self._settle(handle, RequestCancelled("the request was cancelled before its prefill"))
+                continue
+            try:
+                admission, history = engine._admission(handle.request, handle.submitted)
+                self._fit(admission, handle.fill)
+            except Exception as e:  # noqa: BLE001 - this request's bad input only
+                self._settle(handle, e)
+                continue
+            admitted.append((handle, admission, history))
+        if not admitted:
+            return
+        engine._before_turns([a for _, a, _ in admitted])
+        for handle, admission, history in admitted:
+            ticket = engine.scheduler.submit(admission, handle.on_token)
+            self._live.append(_Live(handle, ticket, admission, history))
+
+    def _fit(self, admission, fill: bool) -> None:
+        """Hold the prompt and its reply to ``max_model_len`` (``fill``: as many new tokens as fit)."""
+        limit = self.max_model_len
+        if limit is None:
+            return
+        n = len(admission.prompt)
+        room = limit - n
+        if room < 1 or (not fill and admission.max_new_tokens > room):
+            asked = "at least 1" if fill else str(admission.max_new_tokens)
+            raise PromptTooLong(f"the prompt has {n} tokens and {asked} new tokens were asked for: more than the "
+                                f"server's max_model_len of {limit}")
+        if fill:
+            self.engine._check_fits(admission.prompt, room)
+            admission.max_new_tokens = room
+
+    def _finish(self, ended: list[_Live]) -> None:
+        engine = self.engine
+        for live in ended:
+            try:
+                result = engine._complete(live.handle.request, live.admission, live.history, live.ticket.result)
+            except Exception as e:  # noqa: BLE001 - e.g. a held session that could not keep its blocks
+                result = e
+            self._settle(live.handle, result)
+        engine._after_turns([live.ticket.result for live in ended])
+
+    @staticmethod
+    def _settle(handle: RequestHandle, result) -> None:
+        if handle.future.done():
+            return
+        if isinstance(result, BaseException):
+            handle.future.set_exception(result)
+        else:
+            handle.future.set_result(result)
+
+
+__all__ = ["LoopStopped", "OnlineLoop", "RequestHandle"]

@@ -1,0 +1,222 @@
+"""The HTTP server: OpenAI's chat-completions API over samcache's online step loop (FastAPI).
+
+Every request is turned into the engine's request in a worker thread (images decoded there, off
+the event loop), submitted to the engine's :class:`~samcache.engine.online.OnlineLoop` (it joins
+the running batch at the next step) and answered as OpenAI does: one JSON body, or server-sent
+events with one chunk per piece of text. A client that closes its stream cancels its request: its
+blocks are freed at the next step. Errors are OpenAI-style JSON with a 4xx/5xx status; the server
+goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from samcache.engine.online import LoopStopped
+from samcache.errors import CacheFull, ImageLoadError, OutOfBlocks, PromptTooLong, RequestCancelled
+from samcache.serve.errors import ApiError
+from samcache.serve.metrics import ServerMetrics
+from samcache.serve.reply_text import ReplyText
+from samcache.serve.requests import ChatCompletionRequest, MediaLimits, chat_request
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """``served_model_name``: the name requests must give; ``max_model_len``: prompt and reply
+    tokens together; ``api_key``: required as a bearer token on /v1 (None: open);
+    ``shutdown_timeout_s``: how long in-flight requests may finish on shutdown."""
+
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    shutdown_timeout_s: float = 30.0
+
+
+def engine_error(e: BaseException) -> ApiError:
+    """The HTTP answer to an exception the engine raised for one request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, (OutOfBlocks, CacheFull)):
+        return ApiError(503, f"the KV pool is full right now; retry later ({e})")
+    if isinstance(e, LoopStopped):
+        return ApiError(503, "the server is shutting down")
+    if isinstance(e, RequestCancelled):
+        return ApiError(503, str(e))
+    if isinstance(e, (PromptTooLong, ImageLoadError, ValueError, TypeError)):
+        return ApiError(400, str(e))
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def usage(result) -> dict:
+    m = result.metrics
+    n = len(result.token_ids)
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": n, "total_tokens": m.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": m.reused_tokens},
+            "samcache": {"prefix_reused_tokens": m.prefix_reused_tokens, "image_reused_tokens": m.image_reused_tokens,
+                         "prefilled_tokens": m.prefilled_tokens, "recomputed_tokens": m.recomputed_tokens,
+                         "vit_calls": m.vit_calls, "vit_hits": m.vit_hits, "ttft_s": m.ttft_s}}
+
+
+def create_app(engine, settings: ServeSettings) -> FastAPI:
+    """The server's app over ``engine``; its lifespan starts and stops the engine's online loop."""
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["loop"] = engine.start_online(max_model_len=settings.max_model_len)
+        state["metrics"] = ServerMetrics(engine, lambda: state["loop"].live)
+        yield
+        # In-flight requests finish (or are cancelled past the timeout); the tiers are flushed.
+        loop = state["loop"]
+        await asyncio.to_thread(loop.stop, settings.shutdown_timeout_s)
+        print(f"samcache serve: stopped after {loop.steps} steps" + (f" ({loop.error!r})" if loop.error else "")
+              + "; nothing in flight, the tiers flushed", flush=True)
+
+    app = FastAPI(title="samcache", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return JSONResponse(ApiError(400, "the request body is not valid JSON").body(), status_code=400)
+        where = [".".join(str(p) for p in err["loc"][1:]) or "body" for err in errors]
+        problems = "; ".join(f"{w}: {err['msg']}" for w, err in zip(where[:5], errors))
+        return JSONResponse(ApiError(400, f"invalid request: {problems}", where[0] if where else None).body(),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return JSONResponse(engine_error(e).body(), status_code=500)
+
+    def authorized(request: Request) -> None:
+        if settings.api_key is not None and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer <key>)")
+
+    def check_model(name: str) -> None:
+        if name != settings.served_model_name:
+            raise ApiError(404, f"the model `{name}` does not exist; this server serves "
+                                f"`{settings.served_model_name}`", "model")
+
+    @app.get("/health")
+    async def health():
+        loop = state.get("loop")
+        if loop is None or not loop.running:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        body = await asyncio.to_thread(state["metrics"].exposition)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model",
+                                            "created": int(time.time()), "owned_by": "samcache",
+                                            "max_model_len": settings.max_model_len}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        fill = body.max_tokens is None and body.max_completion_tokens is None
+        request = await asyncio.to_thread(chat_request, body, settings.limits, None)
+        text = ReplyText(engine.tokenizer, body.stop or ())
+        reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        aloop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        streaming = body.stream
+
+        def on_token(token: int) -> bool:
+            stop = text.add(token)
+            if streaming:
+                piece = text.take()
+                if piece:
+                    aloop.call_soon_threadsafe(pieces.put_nowait, piece)
+            return stop
+
+        try:
+            handle = state["loop"].submit(request, on_token, fill=fill)
+        except LoopStopped as e:
+            raise engine_error(e) from None
+        handle.future.add_done_callback(lambda _: aloop.call_soon_threadsafe(pieces.put_nowait, None))
+        if not streaming:
+            try:
+                result = await asyncio.wrap_future(handle.future)
+            except asyncio.CancelledError:
+                handle.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001 - this request's failure, as an HTTP error
+                state["metrics"].failed(str(engine_error(e).status))
+                raise engine_error(e) from None
+            state["metrics"].finished(result.metrics)
+            content = text.text if text.stopped else result.text
+            return {"id": reply_id, "object": "chat.completion", "created": created, "model": body.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                 "finish_reason": result.finish_reason}],
+                    "usage": usage(result)}
+
+        # Streaming: the first piece (or the end) comes before the response, so a request the
+        # engine refuses at admission gets its 4xx, not a 200 with an error inside.
+        try:
+            first = await pieces.get()
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        if first is None and handle.future.exception() is not None:
+            e = handle.future.exception()
+            state["metrics"].failed(str(engine_error(e).status))
+            raise engine_error(e)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return "data: " + json.dumps({"id": reply_id, "object": "chat.completion.chunk", "created": created,
+                                          "model": body.model, "choices": [{"index": 0, "delta": delta,
+                                                                            "finish_reason": finish}]}) + "\n\n"
+
+        async def events():
+            piece = first
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while piece is not None:
+                    yield chunk({"content": piece})
+                    piece = await pieces.get()
+                error = handle.future.exception()
+                if error is not None:
+                    state["metrics"].failed(str(engine_error(error).status))
+                    yield "data: " + json.dumps(engine_error(error).body()) + "\n\n"
+                else:
+                    result = handle.future.result()
+                    state["metrics"].finished(result.metrics)
+                    rest = text.take(final=True)
+                    if rest:
+                        yield chunk({"content": rest})
+                    yield chunk({}, result.finish_reason)
+                    if include_usage:
+                        yield "data: " + json.dumps({"id": reply_id, "object": "chat.completion.chunk",
+                                                     "created": created, "model": body.model, "choices": [],
+                                                     "usage": usage(result)}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not handle.future.done():  # the client went away: free its blocks at the next step
+                    handle.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+__all__ = ["ServeSettings", "create_app", "engine_error", "usage"]

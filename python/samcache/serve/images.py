@@ -1,0 +1,79 @@
+"""Images of an OpenAI request: base64 data URLs (and, only where the server allows a folder,
+local files), decoded under the server's limits. The server fetches nothing from the network."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pathlib
+import urllib.parse
+from collections.abc import Sequence
+
+from PIL import Image
+
+from samcache.serve.errors import ApiError
+
+
+def load_image(url: str, *, max_bytes: int, max_pixels: int, allowed_dirs: Sequence[pathlib.Path]) -> Image.Image:
+    """The RGB image ``url`` names: ``data:image/...;base64,...``, or ``file://`` / a plain path
+    inside one of ``allowed_dirs``. Raises :class:`ApiError` (400, or 413 over the limits)."""
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, "image_url.url must be a non-empty string")
+    if url.startswith("data:"):
+        data = _data_url(url, max_bytes)
+    elif url.startswith(("http://", "https://")):
+        raise ApiError(400, "samcache serve does not fetch images from the network; send the image as a base64 "
+                            "data URL (data:image/png;base64,...)")
+    else:
+        data = _local_file(url, max_bytes, allowed_dirs)
+    return _decode(data, max_pixels)
+
+
+def _data_url(url: str, max_bytes: int) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise ApiError(400, "an image data URL must be data:<mime type>;base64,<data>")
+    mime = head[len("data:"):-len(";base64")]
+    if mime and not mime.startswith("image/"):
+        raise ApiError(400, f"the data URL holds {mime!r}, not an image")
+    if len(payload) * 3 // 4 > max_bytes:
+        raise ApiError(413, f"the image is larger than the server's limit of {max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ApiError(400, f"the image data URL is not valid base64: {e}") from None
+
+
+def _local_file(url: str, max_bytes: int, allowed_dirs: Sequence[pathlib.Path]) -> bytes:
+    if not allowed_dirs:
+        raise ApiError(400, "local image paths are off; send the image as a base64 data URL (or start the server "
+                            "with --allowed-local-media-path DIR)")
+    raw = urllib.parse.unquote(urllib.parse.urlparse(url).path) if url.startswith("file://") else url
+    try:
+        path = pathlib.Path(raw).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise ApiError(400, f"image {url!r}: no such file") from None
+    if not any(path.is_relative_to(d) for d in allowed_dirs):
+        raise ApiError(400, f"image {url!r} is outside the allowed media folders")
+    if not path.is_file():
+        raise ApiError(400, f"image {url!r} is not a file")
+    if path.stat().st_size > max_bytes:
+        raise ApiError(413, f"image {url!r} is larger than the server's limit of {max_bytes} bytes")
+    return path.read_bytes()
+
+
+def _decode(data: bytes, max_pixels: int) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            if w * h > max_pixels:  # checked before the pixels are decoded: no decompression bomb
+                raise ApiError(413, f"the image is {w}x{h} pixels, more than the server's limit of {max_pixels}")
+            return im.convert("RGB")
+    except ApiError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ApiError(400, f"the image cannot be decoded: {e}") from None
+
+
+__all__ = ["load_image"]

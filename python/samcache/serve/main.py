@@ -1,0 +1,108 @@
+"""``samcache serve MODEL``: the engine behind OpenAI's API (uvicorn). Flags follow ``vllm serve``
+where they mean the same thing; the engine's settings and the reuse profile beside them."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+
+def _size(text: str) -> int:
+    """Bytes from '256MiB', '2GiB', '1e9' or a plain integer."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * scale)
+    return int(float(t))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint directory (a Qwen2.5-VL-style checkpoint samcache's engine runs)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name requests give (default: the model argument as given)")
+    p.add_argument("--api-key", default=None, help="require this bearer token on /v1 (default: open)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt and reply tokens of one request together (default: what the model and the pool hold)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-bytes", type=_size, default=None, help="KV pool size, e.g. 2GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="rows of one forward step (the engine's max_step_tokens)")
+    p.add_argument("--profile", default=None,
+                   help="the reuse profile (default: samcache_profile.json in the model's folder; 'none': none)")
+    p.add_argument("--keep-image-order", default="auto", choices=["auto", "true", "false"])
+    p.add_argument("--tenant", default=None, help="the cache scope of requests that name none")
+    p.add_argument("--allowed-local-media-path", action="append", default=[], metavar="DIR",
+                   help="folders images may be read from by path (default: none; data URLs only)")
+    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-image-bytes", type=_size, default=20 << 20)
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build(args):
+    """The engine and the app for ``args`` (tests build them in-process)."""
+    from samcache.engine import SAMcacheEngine
+    from samcache.serve.app import ServeSettings, create_app
+    from samcache.serve.requests import MediaLimits
+
+    order = {"auto": "auto", "true": True, "false": False}[args.keep_image_order]
+    profile = False if args.profile == "none" else args.profile
+    engine = SAMcacheEngine(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+                            max_step_tokens=args.max_num_batched_tokens, profile=profile, keep_image_order=order,
+                            tenant=args.tenant, seed=args.seed)
+    room = min(engine.runner.max_positions, engine.pool.num_blocks * engine.pool.block_size)
+    max_len = room if args.max_model_len is None else args.max_model_len
+    if not 2 <= max_len <= room:
+        raise ValueError(f"--max-model-len {max_len}: must be between 2 and {room} (the model's positions and the "
+                         "pool's tokens)")
+    dirs = []
+    for d in args.allowed_local_media_path:
+        path = pathlib.Path(d).resolve()
+        if not path.is_dir():
+            raise ValueError(f"--allowed-local-media-path {d}: not a folder")
+        dirs.append(path)
+    for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    settings = ServeSettings(served_model_name=args.served_model_name or args.model, max_model_len=max_len,
+                             api_key=args.api_key,
+                             limits=MediaLimits(args.max_images_per_request, args.max_image_bytes,
+                                                args.max_image_pixels, tuple(dirs)))
+    return engine, create_app(engine, settings), settings
+
+
+def startup_line(engine, settings, host: str, port: int, profile_from: str | None = None) -> str:
+    pool = engine.pool
+    if engine.profile is None:
+        where = "none"
+    else:
+        from samcache.profile.reuse_profile import PROFILE_FILE
+
+        where = profile_from or str(engine.model_path / PROFILE_FILE)
+    return (f"samcache serve: {settings.served_model_name} on {engine.device} ({engine.dtype}); KV pool "
+            f"{pool.num_blocks} blocks x {pool.block_size} tokens ({pool.num_blocks * engine.runner.block_bytes / 2**20:.0f} MiB); "
+            f"image attention {engine.image_attention.name}; reuse profile: {where}; image order "
+            f"{'kept' if engine.keeps_image_order() else 'any index'}; max_model_len {settings.max_model_len}; "
+            f"http://{host}:{port}/v1")
+
+
+def run(args) -> int:
+    import uvicorn
+
+    try:
+        engine, app, settings = build(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"samcache serve: {e}", file=sys.stderr)
+        return 2
+    print(startup_line(engine, settings, args.host, args.port, args.profile), flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
+    return 0
+
+
+__all__ = ["add_arguments", "build", "run", "startup_line"]

@@ -1,0 +1,159 @@
+"""The online step loop: requests that arrive while others decode join the running batch, tokens
+stream as they are sampled, a cancelled request frees its blocks, and every reply equals serving
+the request alone."""
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from samcache.engine import ChatRequest, screenshot  # noqa: E402
+from samcache.engine.online import LoopStopped  # noqa: E402
+from samcache.engine.prompt import user_message  # noqa: E402
+from samcache.errors import RequestCancelled  # noqa: E402
+
+from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoints):
+    return tiny_checkpoints["qwen2_5_vl"]
+
+
+def request(i, tokens=8, **kw):
+    return ChatRequest(messages=[{"role": "system", "content": f"You are agent number {i}."},
+                                 user_message([screenshot(7000 + i, SIZE)], f"What should agent {i} click?")],
+                       max_new_tokens=tokens, ignore_eos=True, **kw)
+
+
+def test_requests_arriving_while_others_decode_join_the_batch_and_equal_serving_alone(path):
+    engine = make_engine(path)
+    alone = make_engine(path, share_weights_with=engine)
+    reqs = [request(i, tokens=12 if i == 0 else 4) for i in range(4)]
+    expected = [alone.chat(**vars(r)) for r in reqs]
+    rows_per_step = []
+    real = engine.executor.forward
+    engine.executor.forward = lambda s: rows_per_step.append([int(x.rows.size) for x in s]) or real(s)
+    loop = engine.start_online()
+    try:
+        streamed = []
+        first = loop.submit(reqs[0], on_token=streamed.append)
+        while not streamed:  # request 0 is decoding ...
+            time.sleep(0.005)
+        later = [loop.submit(r) for r in reqs[1:]]  # ... when the others arrive
+        results = [first.result(60)] + [h.result(60) for h in later]
+    finally:
+        loop.stop()
+    assert not loop.running and loop.error is None
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert streamed == results[0].token_ids  # every token handed out as it was sampled, in order
+    # The late requests were prefilled in steps that also decoded request 0 (a step with a decode row
+    # beside a prefill), not after it finished.
+    assert any(1 in s and max(s) > 1 for s in rows_per_step[1:])
+    assert len(rows_per_step) < 12 + 3 * 4
+    assert_clean(engine)
+
+
+def test_chat_and_chat_batch_from_other_threads_go_through_the_running_loop(path):
+    engine = make_engine(path)
+    alone = make_engine(path, share_weights_with=engine)
+    reqs = [request(10 + i, tokens=5) for i in range(6)]
+    expected = [alone.chat(**vars(r)).token_ids for r in reqs]
+    loop = engine.start_online()
+    assert engine.start_online() is loop  # one loop per engine
+    got = [None] * len(reqs)
+
+    def one(i):
+        got[i] = engine.chat(**vars(reqs[i])).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    batch = engine.chat_batch(reqs[3:])
+    for t in threads:
+        t.join(60)
+    loop.stop()
+    assert got[:3] == expected[:3]
+    assert [r.token_ids for r in batch] == expected[3:]
+    assert loop.steps > 0  # they were served by the loop's thread
+    assert_clean(engine)
+
+
+def test_a_cancelled_request_frees_its_blocks_and_the_others_go_on(path):
+    engine = make_engine(path, image_kv_cache=False)  # no image records: every block is free or cached after
+    loop = engine.start_online()
+    try:
+        seen = []
+        long = loop.submit(request(20, tokens=200), on_token=seen.append)
+        short = loop.submit(request(21, tokens=6))
+        while len(seen) < 3:
+            time.sleep(0.005)
+        long.cancel()
+        with pytest.raises(RequestCancelled, match="cancelled while it decoded"):
+            long.result(60)
+        assert len(short.result(60).token_ids) == 6
+        assert len(seen) < 200
+        queued = loop.submit(request(22))
+        queued.cancel()
+        with pytest.raises(RequestCancelled):
+            queued.result(60)
+    finally:
+        loop.stop()
+    assert_clean(engine)
+    stats = engine.pool.stats()
+    assert stats["live_sequences"] == 0
+    assert stats["free_blocks"] + stats["evictable_blocks"] == stats["num_blocks"]  # the decode's blocks are back
+
+
+def test_bad_requests_fail_alone_and_a_stopped_loop_takes_no_more(path):
+    import numpy as np
+
+    engine = make_engine(path)
+    loop = engine.start_online()
+    good = loop.submit(request(30, tokens=3))
+    bad = loop.submit(ChatRequest(images=[np.zeros((8, 8, 3), np.float32)], prompt="x"))
+    with pytest.raises(ValueError):
+        bad.result(60)
+    assert len(good.result(60).token_ids) == 3
+    loop.stop()
+    with pytest.raises(LoopStopped, match="not running"):
+        loop.submit(request(31))
+    # Without the loop the engine serves as before.
+    assert len(engine.chat(**vars(request(32, tokens=2))).token_ids) == 2
+    assert_clean(engine)
+
+
+def test_a_callback_that_returns_true_ends_the_request_as_a_stop(path):
+    engine = make_engine(path)
+    loop = engine.start_online(max_model_len=4096)
+    try:
+        seen = []
+        handle = loop.submit(request(40, tokens=50), on_token=lambda t: seen.append(t) or len(seen) == 3)
+        result = handle.result(60)
+        assert result.token_ids == seen and len(seen) == 3 and result.finish_reason == "stop"
+    finally:
+        loop.stop()
+    assert_clean(engine)
+
+
+def test_max_model_len_bounds_prompt_and_reply_and_fill_decodes_up_to_it(path):
+    from samcache.errors import PromptTooLong
+
+    engine = make_engine(path)
+    prompt_len = len(engine.build_prompt(request(50).messages))
+    loop = engine.start_online(max_model_len=prompt_len + 5)
+    try:
+        with pytest.raises(PromptTooLong, match="max_model_len"):
+            loop.submit(request(50, tokens=6)).result(60)
+        assert len(loop.submit(request(50, tokens=5)).result(60).token_ids) == 5
+        filled = loop.submit(request(50, tokens=1), fill=True).result(60)  # max_new_tokens ignored
+        assert len(filled.token_ids) == 5 and filled.finish_reason == "length"
+    finally:
+        loop.stop()
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.start_online().submit(request(51), fill=True)
+    engine._online.stop()
+    assert_clean(engine)

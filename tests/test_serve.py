@@ -1,0 +1,337 @@
+"""``samcache serve`` with real clients: the ``openai`` package (sync, async, streaming) against a
+server started here on a free local port, serving the shipped trained checkpoint. Replies equal the
+engine's in-process replies; 16 concurrent clients playing multi-turn gui traces lose nothing; bad
+input gets OpenAI-style 4xx errors and the server stays healthy; a client that leaves mid-stream
+frees its blocks; a full pool answers 503; SIGTERM lets in-flight requests finish."""
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")  # the openai client's HTTP library
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+from PIL import Image  # noqa: E402
+
+from samcache.tasks import visual_qa  # noqa: E402
+from samcache.tasks.checkpoint import trained_model  # noqa: E402
+
+KEY = "test-key"
+NAME = "vqa"
+MAX_LEN = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "samcache", "serve", str(trained_model()), "--port", str(self.port), "--device", "cpu",
+             "--served-model-name", NAME, "--api-key", KEY, "--log-level", "warning", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("samcache serve exited:\n" + "".join(self.log))
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("samcache serve did not come up:\n" + "".join(self.log))
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def healthy(self) -> bool:
+        return httpx.get(self.url + "/health", timeout=10).status_code == 200
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-model-len", str(MAX_LEN), "--max-images-per-request", "6", "--max-image-bytes", "300000",
+               "--max-image-pixels", "1000000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from samcache.engine import SAMcacheEngine
+
+    return SAMcacheEngine(trained_model(), device="cpu")
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(image)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def openai_messages(messages):
+    """samcache's messages (images as arrays) as OpenAI's (images as data URLs)."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], str):
+            out.append(dict(m))
+            continue
+        parts = [{"type": "image_url", "image_url": {"url": data_url(p["image"])}} if p["type"] == "image"
+                 else {"type": "text", "text": p["text"]} for p in m["content"]]
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def traces(n, turns=3):
+    return [visual_qa.trace(visual_qa.split_seed("test", 500 + i, 0), scenario="gui", turns=turns, window=2,
+                            size=visual_qa.DEFAULT_SIZE) for i in range(n)]
+
+
+def in_process(engine, messages, max_tokens):
+    return engine.chat(messages=messages, max_new_tokens=max_tokens, temperature=0.0).text
+
+
+def assert_no_request_holds_blocks(server, timeout=20.0):
+    """Every sequence left in the pool is an image record; no request is running."""
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if m["samcache_running_requests"] == 0 and m["samcache_live_sequences"] == m["samcache_image_kv_records"]:
+            return m
+        assert time.time() < deadline, f"blocks still held: {m}"
+        time.sleep(0.1)
+
+
+def test_sync_async_and_streamed_replies_equal_the_engine_in_process(server, engine):
+    turn = traces(1)[0][1]
+    want = in_process(engine, turn.messages, 24)
+    client = server.client()
+    reply = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), max_tokens=24,
+                                           temperature=0)
+    assert reply.choices[0].message.content == want
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and usage.completion_tokens <= 24
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    again = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), max_tokens=24,
+                                           temperature=0)
+    assert again.choices[0].message.content == want
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the second time its prefix came from the cache
+    assert again.usage.model_extra["samcache"]["prefix_reused_tokens"] > 0
+
+    stream = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), max_tokens=24,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    pieces, finish, streamed_usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            streamed_usage = chunk.usage
+    assert "".join(pieces) == want and finish in ("stop", "length")
+    assert streamed_usage is not None and streamed_usage.completion_tokens == usage.completion_tokens
+
+    async def async_reply():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        got = await aclient.chat.completions.create(model=NAME, messages=openai_messages(turn.messages),
+                                                    max_tokens=24, temperature=0)
+        await aclient.close()
+        return got.choices[0].message.content
+
+    assert asyncio.run(async_reply()) == want
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_stop_strings_cut_the_reply_where_the_engine_would_have_gone_on(server, engine):
+    turn = traces(1)[0][0]
+    full = in_process(engine, turn.messages, 40)
+    stop = full[5:8]
+    assert stop and full.find(stop) >= 0
+    reply = server.client().chat.completions.create(model=NAME, messages=openai_messages(turn.messages),
+                                                    max_tokens=40, temperature=0, stop=[stop])
+    assert reply.choices[0].message.content == full[:full.find(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
+        model=NAME, messages=openai_messages(turn.messages), max_tokens=40, temperature=0, stop=stop, stream=True)
+        if c.choices]
+    assert "".join(pieces) == full[:full.find(stop)]
+
+
+def test_sixteen_concurrent_clients_playing_gui_traces_get_the_replies_served_alone(server, engine):
+    plays = traces(16)
+    got: dict[tuple[int, int], str] = {}
+    errors = []
+    start = assert_no_request_holds_blocks(server)
+
+    def agent(i):
+        try:
+            client = server.client(timeout=300)
+            for t, turn in enumerate(plays[i]):
+                stream = (i + t) % 2 == 0
+                kw = dict(model=NAME, messages=openai_messages(turn.messages), max_tokens=16, temperature=0)
+                if stream:
+                    got[i, t] = "".join(c.choices[0].delta.content or "" for c in
+                                        client.chat.completions.create(stream=True, **kw) if c.choices)
+                else:
+                    got[i, t] = client.chat.completions.create(**kw).choices[0].message.content
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    assert len(got) == 16 * 3
+    for (i, t), text in got.items():
+        assert text == in_process(engine, plays[i][t].messages, 16), (i, t)
+    end = assert_no_request_holds_blocks(server)
+    assert end["samcache_requests_total{outcome=\"ok\"}"] - start["samcache_requests_total{outcome=\"ok\"}"] == 48
+    assert server.healthy()
+
+
+def bad_requests():
+    good = traces(1)[0][0]
+    msgs = openai_messages(good.messages)
+    image = next(p for m in msgs if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url")
+
+    def with_image(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is this?"}]}]
+
+    buf = io.BytesIO()
+    Image.new("RGB", (2000, 2000)).save(buf, format="PNG")  # small file, 4 M pixels
+    huge_pixels = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    noise = "data:image/png;base64," + base64.b64encode(np.random.default_rng(0).bytes(400_000)).decode()
+    base = {"model": NAME, "max_tokens": 4}
+    return [
+        ("malformed JSON", b"{not json", 400),
+        ("messages not a list", {**base, "messages": "hello"}, 400),
+        ("no messages", {**base, "messages": []}, 400),
+        ("temperature of the wrong type", {**base, "messages": msgs, "temperature": "hot"}, 400),
+        ("max_tokens 0", {**base, "messages": msgs, "max_tokens": 0}, 400),
+        ("n = 2", {**base, "messages": msgs, "n": 2}, 400),
+        ("logprobs", {**base, "messages": msgs, "logprobs": True}, 400),
+        ("unknown role", {**base, "messages": [{"role": "robot", "content": "hi"}]}, 400),
+        ("not an image", {**base, "messages": with_image("data:image/png;base64," + base64.b64encode(b"hello").decode())}, 400),
+        ("invalid base64", {**base, "messages": with_image("data:image/png;base64,@@@")}, 400),
+        ("oversized image", {**base, "messages": with_image(noise)}, 413),
+        ("too many pixels", {**base, "messages": with_image(huge_pixels)}, 413),
+        ("an http URL", {**base, "messages": with_image("https://example.com/a.png")}, 400),
+        ("a local path", {**base, "messages": with_image("/etc/passwd")}, 400),
+        ("too many images", {**base, "messages": [{"role": "user", "content": [image] * 7 + [
+            {"type": "text", "text": "seven"}]}]}, 400),
+        ("prompt over max-model-len", {**base, "messages": [{"role": "user", "content": "word " * (MAX_LEN + 10)}]}, 400),
+        ("max_tokens past max-model-len", {**base, "messages": msgs, "max_tokens": MAX_LEN}, 400),
+        ("unknown model", {**base, "model": "gpt-4o", "messages": msgs}, 404),
+    ]
+
+
+def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(server):
+    for what, body, status in bad_requests():
+        headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(server.url + "/v1/chat/completions", headers=headers, content=payload, timeout=60)
+        assert r.status_code == status, (what, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["code"] == status, what
+        assert server.healthy(), what
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    # The server still answers.
+    reply = server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens <= 3
+    assert_no_request_holds_blocks(server)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    turn = traces(1)[0][0]
+    client = server.client()
+    stream = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), max_tokens=1500,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    for chunk in stream:
+        seen += 1
+        if seen == 3:
+            break
+    stream.close()
+    m = assert_no_request_holds_blocks(server)
+    assert m["samcache_generation_tokens_total"] < 1500 * 100  # the cancelled request did not run on
+    assert server.healthy()
+
+
+def test_a_full_pool_answers_503_and_sigterm_lets_in_flight_requests_finish():
+    # A pool of 48 blocks of 16 tokens (98,304 bytes each on the shipped model): a request that has
+    # grown to 40 of them leaves no room for a 300-token prompt beside it (the whole pool would).
+    small = Server("--kv-cache-bytes", str(48 * 98304), "--max-model-len", "700")
+    try:
+        assert small.metrics()["samcache_kv_pool_blocks_total"] == 48
+        client = small.client(timeout=300)
+        first = iter(client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Describe everything."}], max_tokens=660,
+            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        for _ in range(620):  # the role chunk, then a chunk per token that adds text
+            next(first)
+        r = httpx.post(small.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=120,
+                       json={"model": NAME, "messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 8})
+        assert r.status_code == 503, r.text
+        assert "pool is full" in r.json()["error"]["message"]
+        assert small.healthy()
+        # SIGTERM while the first stream decodes: it finishes, then the server exits cleanly.
+        small.proc.send_signal(signal.SIGTERM)
+        rest = list(first)
+        finish = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"]
+        # uvicorn shuts down gracefully, then lets the signal end the process as it would have.
+        assert small.proc.wait(120) in (0, -signal.SIGTERM)
+        time.sleep(0.5)
+        assert any("samcache serve: stopped after" in line and "nothing in flight" in line for line in small.log), small.log
+    finally:
+        small.stop()
