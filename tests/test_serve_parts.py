@@ -1,0 +1,135 @@
+"""The server's parts without a server: incremental reply text with stop strings, images from
+data URLs and allowed folders under limits, request bodies checked."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+
+from PIL import Image  # noqa: E402
+
+from samcache.serve.errors import ApiError  # noqa: E402
+from samcache.serve.images import load_image  # noqa: E402
+from samcache.serve.reply_text import ReplyText  # noqa: E402
+
+
+class CharTokenizer:
+    """One token per character (ids are code points); 0xFFFD stands for half a character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def feed(text, stops, tokenizer=CharTokenizer()):
+    reply, pieces = ReplyText(tokenizer, stops), []
+    for ch in text:
+        stopped = reply.add(ord(ch))
+        pieces.append(reply.take())
+        if stopped:
+            break
+    pieces.append(reply.take(final=True))
+    return reply, pieces
+
+
+@pytest.mark.parametrize("text, stops, want", [
+    ("hello world", [], "hello world"),
+    ("hello world", ["wor"], "hello "),
+    ("hello world", ["xyz", "lo w"], "hel"),
+    ("abcabd", ["abd"], "abc"),
+    ("aaab", ["aab"], "a"),
+])
+def test_pieces_add_up_to_the_reply_cut_before_the_first_stop(text, stops, want):
+    reply, pieces = feed(text, stops)
+    assert "".join(pieces) == want == reply.text
+    assert reply.stopped == (want != text)
+
+
+def test_the_start_of_a_stop_string_is_held_back_until_it_cannot_be_one():
+    reply = ReplyText(CharTokenizer(), ["STOP"])
+    for ch in "go ST":
+        reply.add(ord(ch))
+    assert reply.take() == "go "  # "ST" may still become "STOP"
+    reply.add(ord("A"))
+    assert reply.take() == "STA"
+
+
+def test_a_half_character_is_not_handed_out():
+    reply = ReplyText(CharTokenizer())
+    reply.add(ord("a"))
+    reply.add(0xFFFD)
+    assert reply.take() == "a"
+    assert reply.take(final=True) == "\ufffd"
+
+
+def png(size=(8, 8)):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((*size, 3), 200, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def url(data, mime="image/png"):
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+LIMITS = dict(max_bytes=10_000, max_pixels=100 * 100, allowed_dirs=())
+
+
+def test_data_urls_decode_to_rgb_images():
+    im = load_image(url(png()), **LIMITS)
+    assert im.mode == "RGB" and im.size == (8, 8)
+
+
+@pytest.mark.parametrize("bad, status, match", [
+    (url(b"not an image"), 400, "cannot be decoded"),
+    ("data:image/png;base64,@@", 400, "base64"),
+    ("data:image/png,rawbytes", 400, "base64"),
+    (url(png(), "text/plain"), 400, "not an image"),
+    (url(b"x" * 20_000), 413, "larger than"),
+    (url(png((200, 200))), 413, "pixels"),
+    ("https://example.com/a.png", 400, "does not fetch"),
+    ("/etc/hostname", 400, "local image paths are off"),
+    ("", 400, "non-empty"),
+])
+def test_bad_images_are_refused_with_their_status(bad, status, match):
+    with pytest.raises(ApiError, match=match) as info:
+        load_image(bad, **LIMITS)
+    assert info.value.status == status and info.value.body()["error"]["code"] == status
+
+
+def test_local_files_only_inside_an_allowed_folder(tmp_path):
+    inside = tmp_path / "media"
+    inside.mkdir()
+    (inside / "a.png").write_bytes(png())
+    (tmp_path / "b.png").write_bytes(png())
+    limits = dict(LIMITS, allowed_dirs=(inside.resolve(),))
+    assert load_image(str(inside / "a.png"), **limits).size == (8, 8)
+    assert load_image((inside / "a.png").as_uri(), **limits).size == (8, 8)
+    for outside in (str(tmp_path / "b.png"), str(inside / ".." / "b.png"), str(inside / "missing.png")):
+        with pytest.raises(ApiError) as info:
+            load_image(outside, **limits)
+        assert info.value.status == 400
+
+
+def test_request_bodies_refuse_what_samcache_does_not_serve():
+    from samcache.serve.requests import ChatCompletionRequest, MediaLimits, chat_request
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    with pytest.raises(ApiError, match="does not support logprobs"):
+        chat_request(body, MediaLimits(), None)
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stop="x",
+                                 temperature=0, seed=3, tenant="t", agent="flow/a", future_field=1)
+    req = chat_request(body, MediaLimits(), None)
+    assert (req.max_new_tokens, req.temperature, req.seed, req.tenant, req.agent) == (5, 0.0, 3, "t", "flow/a")
+    assert body.stop == ["x"]
+    with pytest.raises(ValueError, match="n=1"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+    image = {"type": "image_url", "image_url": {"url": url(png())}}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "assistant", "content": [image]}])
+    with pytest.raises(ApiError, match="user messages only"):
+        chat_request(body, MediaLimits(), None)
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [image] * 3}])
+    with pytest.raises(ApiError, match="limit of 2 images"):
+        chat_request(body, MediaLimits(max_images=2), None)
