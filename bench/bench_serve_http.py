@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     scratch = pathlib.Path(args.out or "bench/out/serve-http") / "work"  # the built model, the servers' logs
     scratch.mkdir(parents=True, exist_ok=True)
-    model = args.model or str(build_preset("qwen2_5_vl", args.preset, scratch / "model"))
+    model = str(pathlib.Path(args.model or build_preset("qwen2_5_vl", args.preset, scratch / "model")).resolve())
     params = {"turns": args.turns, "window": args.window} if args.scenario == "gui" else {"turns": args.turns}
     traces = {n: [make_trace(args.scenario, seed=100 + a, **params) for a in range(n)] for n in counts}
     warm = [make_trace(args.scenario, seed=999, turns=1)]

@@ -133,3 +133,42 @@ def test_request_bodies_refuse_what_samcache_does_not_serve():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [image] * 3}])
     with pytest.raises(ApiError, match="limit of 2 images"):
         chat_request(body, MediaLimits(max_images=2), None)
+
+
+def test_a_data_url_seen_before_is_not_decoded_again_and_the_cache_stays_bounded():
+    from samcache.serve.images import DecodedImages
+
+    cache = DecodedImages(max_bytes=2 * 8 * 8 * 3)
+    a, b, c = url(png()), url(png((8, 8)) + b"\0"), url(png((8, 8)) + b"\0\0")  # three contents, same pixels
+    first = load_image(a, **LIMITS, decoded=cache)
+    assert load_image(a, **LIMITS, decoded=cache) is first and (cache.hits, cache.misses) == (1, 1)
+    load_image(b, **LIMITS, decoded=cache)
+    load_image(c, **LIMITS, decoded=cache)  # past two images' bytes: the least recently used goes
+    assert cache.used <= cache.max_bytes and len(cache._images) == 2
+    assert load_image(a, **LIMITS, decoded=cache) is not first and cache.misses == 4
+    with pytest.raises(ApiError, match="cannot be decoded"):  # bad data is never cached
+        load_image(url(b"junk"), **LIMITS, decoded=cache)
+    with pytest.raises(ApiError, match="cannot be decoded"):
+        load_image(url(b"junk"), **LIMITS, decoded=cache)
+
+
+def test_serve_flags_out_of_range_are_clear_errors(tmp_path):
+    import argparse
+
+    from samcache.serve.main import add_arguments, build, startup_line
+    from samcache.tasks.checkpoint import trained_model
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    model = str(trained_model())
+    for flags, match in ((["--max-model-len", "1"], "max-model-len 1"),
+                         (["--max-model-len", "10000000"], "max-model-len 10000000"),
+                         (["--allowed-local-media-path", str(tmp_path / "missing")], "not a folder"),
+                         (["--max-images-per-request", "0"], "max-images-per-request must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            build(parser.parse_args([model, "--device", "cpu", *flags]))
+    args = parser.parse_args([model, "--device", "cpu", "--kv-cache-bytes", "8MiB", "--served-model-name", "vqa"])
+    engine, app, settings = build(args)
+    assert settings.served_model_name == "vqa" and engine.pool.num_blocks * engine.runner.block_bytes <= 8 << 20
+    line = startup_line(engine, settings, "127.0.0.1", 8000)
+    assert "vqa on cpu" in line and "reuse profile: none" in line and "image order kept" in line

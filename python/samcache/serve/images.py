@@ -7,19 +7,59 @@ import base64
 import binascii
 import io
 import pathlib
+import threading
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Sequence
 
+import xxhash
 from PIL import Image
 
 from samcache.serve.errors import ApiError
 
 
-def load_image(url: str, *, max_bytes: int, max_pixels: int, allowed_dirs: Sequence[pathlib.Path]) -> Image.Image:
+class DecodedImages:
+    """Decoded data-URL images by the URL's content (xxh3-128), least recently used dropped past
+    ``max_bytes`` of pixels. An agent re-sends the same screenshots every turn: each is decoded
+    once. Thread-safe (requests are parsed in worker threads)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+        self.hits = self.misses = 0
+        self._images: OrderedDict[str, Image.Image] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, url: str, decode) -> Image.Image:
+        key = xxhash.xxh3_128_hexdigest(url.encode())
+        with self._lock:
+            image = self._images.get(key)
+            if image is not None:
+                self._images.move_to_end(key)
+                self.hits += 1
+                return image
+        image = decode()
+        size = image.width * image.height * 3
+        with self._lock:
+            self.misses += 1
+            if key not in self._images and size <= self.max_bytes:
+                self._images[key] = image
+                self.used += size
+                while self.used > self.max_bytes:
+                    _, old = self._images.popitem(last=False)
+                    self.used -= old.width * old.height * 3
+        return image
+
+
+def load_image(url: str, *, max_bytes: int, max_pixels: int, allowed_dirs: Sequence[pathlib.Path],
+               decoded: DecodedImages | None = None) -> Image.Image:
     """The RGB image ``url`` names: ``data:image/...;base64,...``, or ``file://`` / a plain path
-    inside one of ``allowed_dirs``. Raises :class:`ApiError` (400, or 413 over the limits)."""
+    inside one of ``allowed_dirs``. Raises :class:`ApiError` (400, or 413 over the limits).
+    ``decoded``: data URLs seen before come from there (a file may change: read every time)."""
     if not isinstance(url, str) or not url:
         raise ApiError(400, "image_url.url must be a non-empty string")
+    if url.startswith("data:") and decoded is not None:
+        return decoded.get(url, lambda: _decode(_data_url(url, max_bytes), max_pixels))
     if url.startswith("data:"):
         data = _data_url(url, max_bytes)
     elif url.startswith(("http://", "https://")):
@@ -76,4 +116,4 @@ def _decode(data: bytes, max_pixels: int) -> Image.Image:
         raise ApiError(400, f"the image cannot be decoded: {e}") from None
 
 
-__all__ = ["load_image"]
+__all__ = ["DecodedImages", "load_image"]

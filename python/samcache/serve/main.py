@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-images-per-request", type=int, default=16)
     p.add_argument("--max-image-bytes", type=_size, default=20 << 20)
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    p.add_argument("--image-decode-cache-bytes", type=_size, default=256 << 20,
+                   help="decoded images kept by their data URL's content (agents re-send screenshots; default 256MiB, 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -49,6 +51,7 @@ def build(args):
     """The engine and the app for ``args`` (tests build them in-process)."""
     from samcache.engine import SAMcacheEngine
     from samcache.serve.app import ServeSettings, create_app
+    from samcache.serve.images import DecodedImages
     from samcache.serve.requests import MediaLimits
 
     order = {"auto": "auto", "true": True, "false": False}[args.keep_image_order]
@@ -67,13 +70,14 @@ def build(args):
         if not path.is_dir():
             raise ValueError(f"--allowed-local-media-path {d}: not a folder")
         dirs.append(path)
-    for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "image_decode_cache_bytes"):
+        if getattr(args, name) < (0 if name == "image_decode_cache_bytes" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'image_decode_cache_bytes' else 1}")
     settings = ServeSettings(served_model_name=args.served_model_name or args.model, max_model_len=max_len,
                              api_key=args.api_key,
                              limits=MediaLimits(args.max_images_per_request, args.max_image_bytes,
-                                                args.max_image_pixels, tuple(dirs)))
+                                                args.max_image_pixels, tuple(dirs),
+                                                DecodedImages(args.image_decode_cache_bytes)))
     return engine, create_app(engine, settings), settings
 
 

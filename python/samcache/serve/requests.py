@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from samcache.engine import ChatRequest
 from samcache.serve.errors import ApiError
-from samcache.serve.images import load_image
+from samcache.serve.images import DecodedImages, load_image
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
                "logit_bias", "audio", "modalities", "prediction")
@@ -92,12 +92,14 @@ class ChatCompletionRequest(BaseModel):
 @dataclass(frozen=True)
 class MediaLimits:
     """What a request's images may be: at most ``max_images``, each at most ``max_bytes`` encoded
-    and ``max_pixels`` decoded; local files only inside ``allowed_dirs``."""
+    and ``max_pixels`` decoded; local files only inside ``allowed_dirs``. ``decoded``: the
+    server's cache of decoded data-URL images (None: decode every time)."""
 
     max_images: int = 16
     max_bytes: int = 20 << 20
     max_pixels: int = 4096 * 4096
     allowed_dirs: tuple[pathlib.Path, ...] = ()
+    decoded: DecodedImages | None = field(default=None, compare=False)
 
 
 def engine_messages(messages: Sequence[Message], limits: MediaLimits) -> list[dict]:
@@ -124,7 +126,7 @@ def engine_messages(messages: Sequence[Message], limits: MediaLimits) -> list[di
                                "messages")
             try:
                 image = load_image(part.image_url.url, max_bytes=limits.max_bytes, max_pixels=limits.max_pixels,
-                                   allowed_dirs=limits.allowed_dirs)
+                                   allowed_dirs=limits.allowed_dirs, decoded=limits.decoded)
             except ApiError as e:
                 raise ApiError(e.status, f"messages[{i}].content[{j}]: {e.message}", f"messages[{i}]") from None
             parts.append({"type": "image", "image": image})
