@@ -3,7 +3,6 @@ stream as they are sampled, a cancelled request frees its blocks, and every repl
 the request alone."""
 
 import threading
-import time
 
 import pytest
 
@@ -38,11 +37,18 @@ def test_requests_arriving_while_others_decode_join_the_batch_and_equal_serving_
     engine.executor.forward = lambda s: rows_per_step.append([int(x.rows.size) for x in s]) or real(s)
     loop = engine.start_online()
     try:
-        streamed = []
-        first = loop.submit(reqs[0], on_token=streamed.append)
-        while not streamed:  # request 0 is decoding ...
-            time.sleep(0.005)
-        later = [loop.submit(r) for r in reqs[1:]]  # ... when the others arrive
+        streamed, decoding, arrived = [], threading.Event(), threading.Event()
+
+        def hold_the_first_token(token):  # the loop waits here, request 0 decoding, until the others are queued
+            streamed.append(token)
+            if len(streamed) == 1:
+                decoding.set()
+                assert arrived.wait(60)
+
+        first = loop.submit(reqs[0], on_token=hold_the_first_token)
+        assert decoding.wait(60)
+        later = [loop.submit(r) for r in reqs[1:]]
+        arrived.set()
         results = [first.result(60)] + [h.result(60) for h in later]
     finally:
         loop.stop()
@@ -86,17 +92,24 @@ def test_a_cancelled_request_frees_its_blocks_and_the_others_go_on(path):
     engine = make_engine(path, image_kv_cache=False)  # no image records: every block is free or cached after
     loop = engine.start_online()
     try:
-        seen = []
-        long = loop.submit(request(20, tokens=200), on_token=seen.append)
+        seen, third, cancelled = [], threading.Event(), threading.Event()
+
+        def cancel_at_the_third_token(token):
+            seen.append(token)
+            if len(seen) == 3:
+                third.set()
+                assert cancelled.wait(60)
+
+        long = loop.submit(request(20, tokens=200), on_token=cancel_at_the_third_token)
         short = loop.submit(request(21, tokens=6))
-        while len(seen) < 3:
-            time.sleep(0.005)
+        assert third.wait(60)
         long.cancel()
+        cancelled.set()
         with pytest.raises(RequestCancelled, match="cancelled while it decoded"):
             long.result(60)
+        assert len(seen) == 3  # ended at the next step
         assert len(short.result(60).token_ids) == 6
-        assert len(seen) < 200
-        queued = loop.submit(request(22))
+        queued = loop.submit(request(22, tokens=200))
         queued.cancel()
         with pytest.raises(RequestCancelled):
             queued.result(60)
@@ -156,4 +169,19 @@ def test_max_model_len_bounds_prompt_and_reply_and_fill_decodes_up_to_it(path):
     with pytest.raises(ValueError, match="max_model_len"):
         engine.start_online().submit(request(51), fill=True)
     engine._online.stop()
+    assert_clean(engine)
+
+
+def test_the_loop_cannot_be_reentered_from_its_thread_nor_stepped_beside_it(path):
+    engine = make_engine(path)
+    loop = engine.start_online()
+    try:
+        handle = loop.submit(request(60, tokens=4), on_token=lambda t: engine.chat(prompt="x", max_new_tokens=1))
+        with pytest.raises(RuntimeError, match="online loop's thread"):
+            handle.result(60)
+        with pytest.raises(RuntimeError, match="before start_online"):
+            engine.warm_up()
+        assert len(loop.submit(request(61, tokens=2)).result(60).token_ids) == 2  # the loop goes on
+    finally:
+        loop.stop()
     assert_clean(engine)

@@ -291,36 +291,54 @@ def test_bad_input_gets_an_openai_error_and_the_server_stays_healthy(server):
     assert_no_request_holds_blocks(server)
 
 
+def cancelled(server) -> float:
+    return server.metrics().get('samcache_requests_total{outcome="cancelled"}', 0.0)
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
     turn = traces(1)[0][0]
+    before = cancelled(server)
     client = server.client()
-    stream = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), max_tokens=1500,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
-    seen = 0
-    for chunk in stream:
-        seen += 1
+    # No max_tokens: it would decode up to max_model_len (about 1,900 tokens) with ignore_eos.
+    stream = client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    for seen, _ in enumerate(stream):
         if seen == 3:
             break
     stream.close()
-    m = assert_no_request_holds_blocks(server)
-    assert m["samcache_generation_tokens_total"] < 1500 * 100  # the cancelled request did not run on
+    assert_no_request_holds_blocks(server)
+    assert cancelled(server) == before + 1  # ended by the disconnect, not by running to its end
+    assert server.healthy()
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server):
+    turn = traces(1)[0][0]
+    before = cancelled(server)
+    client = server.client(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=NAME, messages=openai_messages(turn.messages), temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert_no_request_holds_blocks(server)
+    assert cancelled(server) == before + 1
     assert server.healthy()
 
 
 def test_a_full_pool_answers_503_and_sigterm_lets_in_flight_requests_finish():
-    # A pool of 48 blocks of 16 tokens (98,304 bytes each on the shipped model): a request that has
-    # grown to 40 of them leaves no room for a 300-token prompt beside it (the whole pool would).
+    # A pool of 48 blocks of 16 tokens (98,304 bytes each on the shipped model): while a request of
+    # about 400 prompt tokens (25 blocks) runs, another of the same size does not fit beside it
+    # (the pool alone would hold it).
     small = Server("--kv-cache-bytes", str(48 * 98304), "--max-model-len", "700")
     try:
         assert small.metrics()["samcache_kv_pool_blocks_total"] == 48
         client = small.client(timeout=300)
+        prompt = "word " * 130  # about 400 tokens
         first = iter(client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "Describe everything."}], max_tokens=660,
-            temperature=0, stream=True, extra_body={"ignore_eos": True}))
-        for _ in range(620):  # the role chunk, then a chunk per token that adds text
-            next(first)
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=280, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        next(first)  # admitted: its prompt's blocks are taken
         r = httpx.post(small.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=120,
-                       json={"model": NAME, "messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 8})
+                       json={"model": NAME, "messages": [{"role": "user", "content": "other " + prompt}],
+                             "max_tokens": 8})
         assert r.status_code == 503, r.text
         assert "pool is full" in r.json()["error"]["message"]
         assert small.healthy()

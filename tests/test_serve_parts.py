@@ -172,3 +172,27 @@ def test_serve_flags_out_of_range_are_clear_errors(tmp_path):
     assert settings.served_model_name == "vqa" and engine.pool.num_blocks * engine.runner.block_bytes <= 8 << 20
     line = startup_line(engine, settings, "127.0.0.1", 8000)
     assert "vqa on cpu" in line and "reuse profile: none" in line and "image order kept" in line
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, as byte-fallback tokenizers split rare characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_over_several_byte_tokens_comes_out_whole():
+    text = "a中b€ c"
+    reply, pieces = ReplyText(ByteTokenizer()), []
+    for byte in text.encode():
+        reply.add(byte)
+        pieces.append(reply.take())
+    pieces.append(reply.take(final=True))
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    reply, pieces = ReplyText(ByteTokenizer(), ["€"]), []
+    for byte in text.encode():
+        if reply.add(byte):
+            break
+        pieces.append(reply.take())
+    pieces.append(reply.take(final=True))
+    assert "".join(pieces) == "a中b" and reply.stopped

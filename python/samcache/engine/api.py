@@ -562,6 +562,8 @@ class SAMcacheEngine:
         leaves nothing in any (prefix blocks, image KV, ViT outputs)."""
         from samcache.synthetic import screenshot
 
+        if self._online is not None and self._online.running:
+            raise RuntimeError("warm_up() steps the engine's scheduler by itself: call it before start_online()")
         with self._lock:
             prompt = self.build_prompt([{"role": "system", "content": "samcache warm-up"},
                                         user_message([screenshot(987_654_321, size)], "warm-up")])
@@ -706,7 +708,10 @@ class SAMcacheEngine:
 
     def _serve(self, requests: list[ChatRequest]) -> list:
         online = self._online
-        if online is not None and online.running and not online.in_loop_thread():
+        if online is not None and online.running:
+            if online.in_loop_thread():
+                raise RuntimeError("chat/chat_batch cannot be called from the online loop's thread (a token "
+                                   "callback): submit the request to the loop instead")
             return online.serve(requests)  # the running loop's batch: requests join it, nothing waits for a lock
         with self._lock:
             start = time.perf_counter()
@@ -736,21 +741,27 @@ class SAMcacheEngine:
         if isinstance(out, BaseException):
             return out
         if self.priorities is not None:
-            images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index], adm.options.compression,
-                                                                   prompt=adm.prompt))
-                      for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
-            self.priorities.record(req.agent, images, out.blocks, out.attention)
+            try:
+                images = {s.key: (adm.namespace, self.executor.kv_check(adm.prompt.images[s.index],
+                                                                       adm.options.compression, prompt=adm.prompt))
+                          for s in self.executor.layout(adm.prompt, adm.namespace, adm.options).images}
+                self.priorities.record(req.agent, images, out.blocks, out.attention)
+            except BaseException:
+                for seq in (out.sequence, out.fork):  # what the turn kept for the caller, freed
+                    if seq is not None:
+                        self.pool.free_sequence(seq)
+                raise
         return self._result(req, adm, history, out)
 
-    def _after_turns(self, done: list) -> None:
-        """After turns ended: the next agents' prefetch, what the tiers hold published."""
+    def _after_turns(self, done: list, *, flush: bool = True) -> None:
+        """After turns ended: the next agents' prefetch, what the tiers hold published (``flush``)."""
         if self.prefetch_horizon and self.lower_tiers is not None and self.priorities is not None:
             self.prefetch(wait=False)  # the next agents' images come up while the caller goes on
-        if self.lower_tiers is not None:
+        if flush and self.lower_tiers is not None:
             # Published while the turns decoded; in the shared store before the call returns, so
             # another instance the caller tells next finds it.
             self.lower_tiers.flush()
-        if self.executor.tiers.prefix_tier is not None:
+        if flush and self.executor.tiers.prefix_tier is not None:
             self.executor.tiers.prefix_tier.flush()
         reused = any(not isinstance(out, BaseException) and out.prepared.plan.recompute is not None for out in done)
         if reused and self.recompute_budget == "layer-aware" and self.sensitivity is None and not self._warned_uniform:

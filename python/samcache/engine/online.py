@@ -72,6 +72,7 @@ class OnlineLoop:
         self._stopping = threading.Event()
         self._accepting = True
         self._gate = threading.Lock()  # submit vs stop: nothing lands in the inbox after the loop's last look
+        self._cancel_all = False  # past stop()'s timeout
         self.error: BaseException | None = None  # what ended the thread, if not a stop
         self.steps = 0
 
@@ -103,6 +104,7 @@ class OnlineLoop:
         if fill and self.max_model_len is None:
             raise ValueError("fill=True needs the loop's max_model_len")
         handle = RequestHandle(request, on_token, fill)
+        handle.future.set_running_or_notify_cancel()  # only cancel() ends it: the loop settles it once
         with self._gate:
             if not self._accepting or not self.running:
                 raise LoopStopped("samcache's online loop is not running (stopped, or not started)")
@@ -131,8 +133,7 @@ class OnlineLoop:
             return
         thread.join(timeout)
         if thread.is_alive():
-            for live in list(self._live):
-                live.handle.cancel()
+            self._cancel_all = True  # queued ones too: the loop settles them as cancelled
             thread.join()
 
     # -- the loop's thread ---------------------------------------------------------------------
@@ -151,15 +152,15 @@ class OnlineLoop:
                     if arrived:
                         self._admit(arrived)
                     for live in self._live:
-                        if live.handle.cancelled:
+                        if live.handle.cancelled or self._cancel_all:
                             engine.scheduler.cancel(live.ticket)
                     if self._live:
                         engine.scheduler.step()
                         self.steps += 1
                     ended = [live for live in self._live if live.ticket.done]
-                    if ended:
-                        self._live = [live for live in self._live if not live.ticket.done]
+                    if ended:  # settled first: a failure on the way leaves them live, settled below
                         self._finish(ended)
+                        self._live = [live for live in self._live if not live.ticket.done]
         except BaseException as e:  # noqa: BLE001 - every caller learns why, then the thread ends
             self.error = e
             with self._gate:
@@ -197,7 +198,7 @@ class OnlineLoop:
     def _admit(self, handles: list[RequestHandle]) -> None:
         engine, admitted = self.engine, []
         for handle in handles:
-            if handle.cancelled:
+            if handle.cancelled or self._cancel_all:
                 self._settle(handle, RequestCancelled("the request was cancelled before its prefill"))
                 continue
             try:
@@ -209,7 +210,12 @@ class OnlineLoop:
             admitted.append((handle, admission, history))
         if not admitted:
             return
-        engine._before_turns([a for _, a, _ in admitted])
+        try:
+            engine._before_turns([a for _, a, _ in admitted])
+        except Exception as e:  # noqa: BLE001 - these requests fail, the loop goes on
+            for handle, _, _ in admitted:
+                self._settle(handle, e)
+            return
         for handle, admission, history in admitted:
             ticket = engine.scheduler.submit(admission, handle.on_token)
             self._live.append(_Live(handle, ticket, admission, history))
@@ -231,22 +237,28 @@ class OnlineLoop:
 
     def _finish(self, ended: list[_Live]) -> None:
         engine = self.engine
-        for live in ended:
+        for live in ended:  # every one settled, whatever fails on the way
+            if live.handle.future.done():
+                continue
             try:
                 result = engine._complete(live.handle.request, live.admission, live.history, live.ticket.result)
             except Exception as e:  # noqa: BLE001 - e.g. a held session that could not keep its blocks
                 result = e
             self._settle(live.handle, result)
-        engine._after_turns([live.ticket.result for live in ended])
+        # Publishing to the tiers waits for their writes: once the loop is idle, not per request.
+        engine._after_turns([live.ticket.result for live in ended], flush=len(ended) == len(self._live))
 
     @staticmethod
     def _settle(handle: RequestHandle, result) -> None:
         if handle.future.done():
             return
-        if isinstance(result, BaseException):
-            handle.future.set_exception(result)
-        else:
-            handle.future.set_result(result)
+        try:
+            if isinstance(result, BaseException):
+                handle.future.set_exception(result)
+            else:
+                handle.future.set_result(result)
+        except concurrent.futures.InvalidStateError:  # settled meanwhile: the first result stands
+            pass
 
 
 __all__ = ["LoopStopped", "OnlineLoop", "RequestHandle"]

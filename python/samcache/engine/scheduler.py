@@ -187,6 +187,13 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 end(t, e)
                 continue
+            if running:  # the newcomer fails, not a request already decoding
+                try:
+                    ex._make_room(len(running), "the running requests' next tokens beside this prompt", OutOfBlocks)
+                except OutOfBlocks as e:
+                    ex.discard_prepared(pre)
+                    end(t, e)
+                    continue
             prefilling[t] = pre
             steps.append(pre.step)
             owners.append(t)
@@ -224,26 +231,29 @@ class Scheduler:
             try:
                 token = greedy[row] if adm.sampler.greedy else adm.sampler(logits[row])
                 if t in prefilling:
-                    pre = prefilling.pop(t)
+                    pre = prefilling[t]  # left there until it runs: a failure below discards it
                     pre.metrics.ttft_s = now - adm.arrival
                     keep = adm.keep_prefill  # else no view of the step's logits outlives the step
-                    fork = self._fork(pre) if keep else None
-                    running[t] = _Running(pre, logits[row].clone() if keep else None, [token], now, fork)
+                    first = logits[row].clone() if keep else None
+                    running[t] = _Running(pre, first, [token], now, self._fork(pre) if keep else None)
+                    del prefilling[t]
                     ex.register(pre)
                 else:
                     running[t].tokens.append(token)
                 stop = t.on_token is not None and bool(t.on_token(token))
+                st = running[t]
+                if (stop or (token in self.eos_token_ids and not adm.ignore_eos)
+                        or len(st.tokens) >= adm.max_new_tokens):
+                    done = self._finish(st, adm, now, token, stopped=stop)
+                    del running[t]
+                    end(t, done)
             except Exception as e:  # noqa: BLE001 - this request's failure only (its sampler, its caller's callback)
                 if t in prefilling:
+                    running.pop(t, None)
                     ex.discard_prepared(prefilling.pop(t))
                 elif t in running:
                     self._drop(running.pop(t), adm)
                 end(t, e)
-                continue
-            st = running[t]
-            if (stop or (token in self.eos_token_ids and not adm.ignore_eos)
-                    or len(st.tokens) >= adm.max_new_tokens):
-                end(t, self._finish(running.pop(t), adm, now, token, stopped=stop))
         return ended
 
     def _reap_cancelled(self, end: Callable[[Ticket, BaseException], None]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from samcache.engine.online import LoopStopped
 from samcache.errors import CacheFull, ImageLoadError, OutOfBlocks, PromptTooLong, RequestCancelled
@@ -27,6 +28,14 @@ from samcache.serve.errors import ApiError
 from samcache.serve.metrics import ServerMetrics
 from samcache.serve.reply_text import ReplyText
 from samcache.serve.requests import ChatCompletionRequest, MediaLimits, chat_request
+
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+CLIENT_CLOSED = 499  # the status logged for a request whose client went away (nobody reads it)
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its answer."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,8 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        return JSONResponse(engine_error(e).body(), status_code=500)
+        error = engine_error(e)
+        return JSONResponse(error.body(), status_code=error.status)
 
     def authorized(request: Request) -> None:
         if settings.api_key is not None and request.headers.get("authorization") != f"Bearer {settings.api_key}":
@@ -129,8 +139,20 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
                                             "created": int(time.time()), "owned_by": "samcache",
                                             "max_model_len": settings.max_model_len}]}
 
+    async def until_done(handle, waiting, request: Request):
+        """Await ``waiting`` (a task); a client that goes away meanwhile cancels ``handle``."""
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                handle.cancel()
+                state["metrics"].failed("cancelled")
+                waiting.cancel()
+                raise ClientGone
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         fill = body.max_tokens is None and body.max_completion_tokens is None
         request = await asyncio.to_thread(chat_request, body, settings.limits, None)
@@ -148,14 +170,18 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
                     aloop.call_soon_threadsafe(pieces.put_nowait, piece)
             return stop
 
+        # The text is followed token by token only where it is streamed or searched for stops.
+        follow = streaming or bool(text.stops)
         try:
-            handle = state["loop"].submit(request, on_token, fill=fill)
+            handle = state["loop"].submit(request, on_token if follow else None, fill=fill)
         except LoopStopped as e:
             raise engine_error(e) from None
         handle.future.add_done_callback(lambda _: aloop.call_soon_threadsafe(pieces.put_nowait, None))
         if not streaming:
             try:
-                result = await asyncio.wrap_future(handle.future)
+                result = await until_done(handle, asyncio.ensure_future(asyncio.wrap_future(handle.future)), http)
+            except ClientGone:
+                return Response(status_code=CLIENT_CLOSED)
             except asyncio.CancelledError:
                 handle.cancel()
                 raise
@@ -172,7 +198,9 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         # Streaming: the first piece (or the end) comes before the response, so a request the
         # engine refuses at admission gets its 4xx, not a 200 with an error inside.
         try:
-            first = await pieces.get()
+            first = await until_done(handle, asyncio.ensure_future(pieces.get()), http)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
         except asyncio.CancelledError:
             handle.cancel()
             raise
@@ -189,32 +217,35 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
 
         async def events():
             piece = first
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                while piece is not None:
-                    yield chunk({"content": piece})
-                    piece = await pieces.get()
-                error = handle.future.exception()
-                if error is not None:
-                    state["metrics"].failed(str(engine_error(error).status))
-                    yield "data: " + json.dumps(engine_error(error).body()) + "\n\n"
-                else:
-                    result = handle.future.result()
-                    state["metrics"].finished(result.metrics)
-                    rest = text.take(final=True)
-                    if rest:
-                        yield chunk({"content": rest})
-                    yield chunk({}, result.finish_reason)
-                    if include_usage:
-                        yield "data: " + json.dumps({"id": reply_id, "object": "chat.completion.chunk",
-                                                     "created": created, "model": body.model, "choices": [],
-                                                     "usage": usage(result)}) + "\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                if not handle.future.done():  # the client went away: free its blocks at the next step
-                    handle.cancel()
+            yield chunk({"role": "assistant", "content": ""})
+            while piece is not None:
+                yield chunk({"content": piece})
+                piece = await pieces.get()
+            error = handle.future.exception()
+            if error is not None:
+                state["metrics"].failed(str(engine_error(error).status))
+                yield "data: " + json.dumps(engine_error(error).body()) + "\n\n"
+            else:
+                result = handle.future.result()
+                state["metrics"].finished(result.metrics)
+                rest = text.take(final=True)
+                if rest:
+                    yield chunk({"content": rest})
+                yield chunk({}, result.finish_reason)
+                if include_usage:
+                    yield "data: " + json.dumps({"id": reply_id, "object": "chat.completion.chunk",
+                                                 "created": created, "model": body.model, "choices": [],
+                                                 "usage": usage(result)}) + "\n\n"
+            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def cancel_if_unfinished() -> None:
+            # Runs once the response ends, sent or not: a client that left mid-stream frees its blocks.
+            if not handle.future.done():
+                handle.cancel()
+                state["metrics"].failed("cancelled")
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 background=BackgroundTask(cancel_if_unfinished))
 
     return app
 
