@@ -2,7 +2,7 @@
 plugin, and against samcache's engine in-process, on the same checkpoint and traces.
 
 Each agent plays its own trace (``gui``: a sliding window of 1280x720 screenshots, one new each
-turn) through the ``openai`` client with streaming, one turn after the other; with ``--agents 4``
+turn; ``branch``: sub-agents with their own system prompts over the same screenshots) through the ``openai`` client with streaming, one turn after the other; with ``--agents 4``
 four agents do so at once. Measured from the client's side: TTFT (request sent -> first chunk),
 turn latency (-> the last chunk) and the aggregate turn and token rates. Every reply is
 ``--max-tokens`` tokens (``ignore_eos``), images are encoded to PNG data URLs before any timing,
@@ -110,7 +110,7 @@ def launch(target: str, model: str, port: int, args, scratch: pathlib.Path) -> s
         cmd = [str(find_vllm_python(args.vllm_python)), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len),
-               "--limit-mm-per-prompt", json.dumps({"image": args.window}), "--enable-prefix-caching",
+               "--limit-mm-per-prompt", json.dumps({"image": args.max_images}), "--enable-prefix-caching",
                "--seed", "0"]
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    VLLM_CACHE_ROOT=str(scratch / "cache"), XDG_CACHE_HOME=str(scratch / "cache"),
@@ -191,7 +191,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: build the random-weight --preset)")
     p.add_argument("--preset", default="small")
-    p.add_argument("--scenario", default="gui", choices=["gui", "docs", "chat"])
+    p.add_argument("--scenario", default="gui", choices=["gui", "branch", "docs", "chat"],
+                   help="gui (a sliding window of screenshots), branch (sub-agents with their own system "
+                        "prompts over the same screenshots, then continued), docs, chat")
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--agents", default="1,4", help="comma-separated agent counts")
@@ -217,10 +219,12 @@ def main(argv=None) -> int:
     scratch = pathlib.Path(args.out or "bench/out/serve-http") / "work"  # the built model, the servers' logs
     scratch.mkdir(parents=True, exist_ok=True)
     model = str(pathlib.Path(args.model or build_preset("qwen2_5_vl", args.preset, scratch / "model")).resolve())
-    params = {"turns": args.turns, "window": args.window} if args.scenario == "gui" else {"turns": args.turns}
+    params = {"gui": {"turns": args.turns, "window": args.window}, "branch": {}}.get(args.scenario, {"turns": args.turns})
     traces = {n: [make_trace(args.scenario, seed=100 + a, **params) for a in range(n)] for n in counts}
-    warm = [make_trace(args.scenario, seed=999, turns=1)]
+    warm = [make_trace("gui", seed=999, turns=1)]
     urls = data_urls([t for ts in traces.values() for t in ts] + warm)
+    args.max_images = max(len(turn.images()) for ts in traces.values() for t in ts for turn in t.turns)
+    steady_from = args.window if args.scenario == "gui" else 1
     results = {"model": args.model or f"random {args.preset}", "scenario": args.scenario, "turns": args.turns,
                "max_tokens": args.max_tokens, "threads": args.threads, "targets": {}}
     for target in targets:
@@ -249,7 +253,7 @@ def main(argv=None) -> int:
                         proc.wait(60)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-            s = out[str(n)] = summarize(records, wall, steady_from=args.window)
+            s = out[str(n)] = summarize(records, wall, steady_from=steady_from)
             print(f"  {n} agent(s): TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, p95 {s['ttft_p95_s'] * 1e3:.1f} ms; "
                   f"turn p50 {s['latency_p50_s'] * 1e3:.1f} ms; {s['turns_per_s']:.2f} turns/s, "
                   f"{s['tokens_per_s']:.1f} tokens/s", flush=True)
