@@ -25,8 +25,6 @@ samcache serve, the engine and the plugin), as in ``samcache bench``.
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import pathlib
@@ -37,7 +35,7 @@ import sys
 import threading
 import time
 
-import numpy as np
+from samcache.bench.openai_http import openai_messages, png_data_url, wait_healthy
 
 TARGETS = ("engine", "samcache-serve", "vllm", "vllm-samcache")
 BLOCK = 32  # vLLM-CPU's block (tokens), a multiple of samcache's 16
@@ -51,49 +49,9 @@ def free_port() -> int:
 
 def data_urls(traces) -> dict:
     """ImageRef -> PNG data URL, for every image of the traces (encoded once, before timing)."""
-    from PIL import Image
-
     from samcache.bench.workloads import materialize
 
-    urls = {}
-    for trace in traces:
-        for turn in trace.turns:
-            for ref in turn.images():
-                if ref not in urls:
-                    buf = io.BytesIO()
-                    Image.fromarray(np.asarray(materialize(ref))).save(buf, format="PNG")
-                    urls[ref] = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return urls
-
-
-def openai_messages(turn, urls) -> list[dict]:
-    out = []
-    for m in turn.messages:
-        if isinstance(m["content"], str):
-            out.append({"role": m["role"], "content": m["content"]})
-            continue
-        out.append({"role": m["role"], "content": [
-            {"type": "image_url", "image_url": {"url": urls[p["image"]]}} if p.get("type") == "image"
-            else {"type": "text", "text": p["text"]} for p in m["content"]]})
-    return out
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: pathlib.Path, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}); its log's end:\n"
-                               + log.read_text(errors="replace")[-3000:])
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} was not healthy after {timeout:.0f} s")
+    return {ref: png_data_url(materialize(ref)) for trace in traces for turn in trace.turns for ref in turn.images()}
 
 
 def launch(target: str, model: str, port: int, args, scratch: pathlib.Path) -> subprocess.Popen:
@@ -136,7 +94,7 @@ def play_http(url: str, traces, urls, max_tokens: int) -> tuple[list[dict], floa
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         try:
             for t, turn in enumerate(traces[a].turns):
-                messages = openai_messages(turn, urls)
+                messages = openai_messages(turn, urls.__getitem__)
                 start = time.perf_counter()
                 first, chunks = None, 0
                 for chunk in client.chat.completions.create(
@@ -244,7 +202,7 @@ def main(argv=None) -> int:
                 url = f"http://127.0.0.1:{port}"
                 proc = launch(target, model, port, args, scratch)
                 try:
-                    wait_healthy(url, proc, scratch / f"{target}.log", 900)
+                    wait_healthy(url, proc, 900, scratch / f"{target}.log")
                     play_http(url, warm, urls, args.max_tokens)
                     records, wall = play_http(url, traces[n], urls, args.max_tokens)
                 finally:

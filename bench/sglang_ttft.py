@@ -30,9 +30,7 @@ which starts, one after the other::
 from __future__ import annotations
 
 import argparse
-import base64
 import http.client
-import io
 import json
 import os
 import pathlib
@@ -41,39 +39,13 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable
+
+from samcache.bench.openai_http import openai_messages, wait_healthy
 
 SAMCACHE_FLAGS = ["--attention-backend", "samcache", "--radix-cache-backend", "samcache",
                   "--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled"]
 MODES = {"sglang": ([], {"SAMCACHE_SGLANG_PLUGIN": "0"}), "sglang-samcache": (SAMCACHE_FLAGS, {})}
-
-
-def png_data_url(pixels) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def openai_messages(turn) -> list[dict]:
-    """A samcache trace turn as OpenAI chat messages (images as PNG data URLs)."""
-    from samcache.bench.workloads import materialize
-
-    out = []
-    for m in turn.messages:
-        if isinstance(m["content"], str):
-            out.append({"role": m["role"], "content": m["content"]})
-            continue
-        parts = []
-        for p in m["content"]:
-            if p.get("type") == "image":
-                parts.append({"type": "image_url", "image_url": {"url": png_data_url(materialize(p["image"]))}})
-            else:
-                parts.append({"type": "text", "text": p["text"]})
-        out.append({"role": m["role"], "content": parts})
-    return out
 
 
 def stream_ttft(url: str, model: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> tuple[float, str]:
@@ -104,21 +76,6 @@ def stream_ttft(url: str, model: str, messages: list[dict], max_tokens: int, tim
     if first is None:
         raise RuntimeError(f"{url}: the stream ended without a generated token")
     return first, "".join(text)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} was not healthy after {timeout:.0f} s")
 
 
 def replay(url: str, model: str, turns: Iterable, max_tokens: int) -> list[dict]:
