@@ -185,3 +185,23 @@ def test_the_loop_cannot_be_reentered_from_its_thread_nor_stepped_beside_it(path
     finally:
         loop.stop()
     assert_clean(engine)
+
+
+def test_bad_arguments_are_clear_errors(path):
+    engine = make_engine(path)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.start_online(max_model_len=1)
+    loop = engine.start_online()
+    try:
+        with pytest.raises(TypeError, match="submit takes a ChatRequest, got dict"):
+            loop.submit({"prompt": "hi"})
+        with pytest.raises(TypeError, match="on_token must be callable"):
+            loop.submit(request(70), on_token="print")
+        with pytest.raises(TypeError, match="fill must be a bool"):
+            loop.submit(request(70), fill=1)
+        with pytest.raises(ValueError, match="timeout"):
+            loop.stop(timeout=-1)
+        assert loop.running  # nothing above touched it
+    finally:
+        loop.stop()
+    assert_clean(engine)

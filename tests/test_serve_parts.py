@@ -196,3 +196,11 @@ def test_a_character_split_over_several_byte_tokens_comes_out_whole():
         pieces.append(reply.take())
     pieces.append(reply.take(final=True))
     assert "".join(pieces) == "a中b" and reply.stopped
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "256MiB"])
+def test_a_decode_cache_of_a_bad_size_is_refused(bad):
+    from samcache.serve.images import DecodedImages
+
+    with pytest.raises(ValueError, match="max_bytes"):
+        DecodedImages(bad)

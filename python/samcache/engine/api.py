@@ -782,7 +782,7 @@ class SAMcacheEngine:
 
         with self._lock:
             if self._online is None or not self._online.running:
-                self._online = OnlineLoop(self, max_model_len=max_model_len)
+                self._online = OnlineLoop(self, request_type=ChatRequest, max_model_len=max_model_len)
                 self._online.start()
             return self._online
 

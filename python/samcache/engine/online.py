@@ -62,8 +62,10 @@ class _Live:
 class OnlineLoop:
     """The step loop of ``engine`` in a background thread (``engine.start_online()`` makes one)."""
 
-    def __init__(self, engine, *, max_model_len: int | None = None, poll_s: float = 0.05) -> None:
+    def __init__(self, engine, *, request_type: type = object, max_model_len: int | None = None,
+                 poll_s: float = 0.05) -> None:
         self.engine = engine
+        self.request_type = request_type  # what submit() takes (the engine's ChatRequest)
         self.max_model_len = None if max_model_len is None else check_int("max_model_len", max_model_len, 2)
         self.poll_s = poll_s
         self._inbox: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
@@ -101,6 +103,12 @@ class OnlineLoop:
         ``on_token(token_id)`` is called from the loop's thread with each sampled token; a true
         return ends the request there (finish reason "stop"). ``fill``: decode until the prompt and
         reply reach ``max_model_len`` (or an end token)."""
+        if not isinstance(request, self.request_type):
+            raise TypeError(f"submit takes a {self.request_type.__name__}, got {type(request).__name__}")
+        if on_token is not None and not callable(on_token):
+            raise TypeError(f"on_token must be callable or None, got {type(on_token).__name__}")
+        if not isinstance(fill, bool):
+            raise TypeError(f"fill must be a bool, got {fill!r}")
         if fill and self.max_model_len is None:
             raise ValueError("fill=True needs the loop's max_model_len")
         handle = RequestHandle(request, on_token, fill)
@@ -125,6 +133,11 @@ class OnlineLoop:
     def stop(self, timeout: float | None = None) -> None:
         """Take no new requests, finish the ones in flight, flush the tiers, end the thread. Past
         ``timeout`` seconds the rest are cancelled (their callers get :class:`RequestCancelled`)."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if self.in_loop_thread():
+            raise RuntimeError("stop() cannot be called from the online loop's thread (a token callback)")
         with self._gate:
             self._accepting = False
         self._stopping.set()

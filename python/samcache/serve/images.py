@@ -24,6 +24,8 @@ class DecodedImages:
     once. Thread-safe (requests are parsed in worker threads)."""
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"DecodedImages max_bytes must be an int >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.used = 0
         self.hits = self.misses = 0
