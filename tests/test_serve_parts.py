@@ -118,10 +118,10 @@ def test_request_bodies_refuse_what_samcache_does_not_serve():
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
     with pytest.raises(ApiError, match="does not support logprobs"):
-        chat_request(body, MediaLimits(), None)
+        chat_request(body, MediaLimits())
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stop="x",
                                  temperature=0, seed=3, tenant="t", agent="flow/a", future_field=1)
-    req = chat_request(body, MediaLimits(), None)
+    req = chat_request(body, MediaLimits())
     assert (req.max_new_tokens, req.temperature, req.seed, req.tenant, req.agent) == (5, 0.0, 3, "t", "flow/a")
     assert body.stop == ["x"]
     with pytest.raises(ValueError, match="n=1"):
@@ -129,10 +129,10 @@ def test_request_bodies_refuse_what_samcache_does_not_serve():
     image = {"type": "image_url", "image_url": {"url": url(png())}}
     body = ChatCompletionRequest(model="m", messages=[{"role": "assistant", "content": [image]}])
     with pytest.raises(ApiError, match="user messages only"):
-        chat_request(body, MediaLimits(), None)
+        chat_request(body, MediaLimits())
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [image] * 3}])
     with pytest.raises(ApiError, match="limit of 2 images"):
-        chat_request(body, MediaLimits(max_images=2), None)
+        chat_request(body, MediaLimits(max_images=2))
 
 
 def test_a_data_url_seen_before_is_not_decoded_again_and_the_cache_stays_bounded():

@@ -155,7 +155,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         fill = body.max_tokens is None and body.max_completion_tokens is None
-        request = await asyncio.to_thread(chat_request, body, settings.limits, None)
+        request = await asyncio.to_thread(chat_request, body, settings.limits)
         text = ReplyText(engine.tokenizer, body.stop or ())
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         aloop = asyncio.get_running_loop()
@@ -179,7 +179,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         handle.future.add_done_callback(lambda _: aloop.call_soon_threadsafe(pieces.put_nowait, None))
         if not streaming:
             try:
-                result = await until_done(handle, asyncio.ensure_future(asyncio.wrap_future(handle.future)), http)
+                result = await until_done(handle, asyncio.wrap_future(handle.future), http)
             except ClientGone:
                 return Response(status_code=CLIENT_CLOSED)
             except asyncio.CancelledError:

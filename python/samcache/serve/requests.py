@@ -134,13 +134,13 @@ def engine_messages(messages: Sequence[Message], limits: MediaLimits) -> list[di
     return out
 
 
-def chat_request(body: ChatCompletionRequest, limits: MediaLimits, default_max_tokens: int | None) -> ChatRequest:
-    """The engine's request for ``body`` (its images decoded). ``max_new_tokens`` is
-    ``default_max_tokens`` when the body names none (the caller fills up to max_model_len)."""
+def chat_request(body: ChatCompletionRequest, limits: MediaLimits) -> ChatRequest:
+    """The engine's request for ``body`` (its images decoded). Without ``max_tokens`` its
+    ``max_new_tokens`` is a placeholder: the caller submits it to fill up to max_model_len."""
     refused = body.unsupported()
     if refused:
         raise ApiError(400, f"samcache serve does not support {', '.join(refused)}", refused[0])
-    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens or 1
+    max_tokens = body.max_completion_tokens or body.max_tokens or 1
     return ChatRequest(messages=engine_messages(body.messages, limits), max_new_tokens=max_tokens,
                        temperature=body.temperature, top_p=body.top_p, seed=body.seed, tenant=body.tenant,
                        agent=body.agent, ignore_eos=body.ignore_eos)
