@@ -64,12 +64,15 @@ def launch(target: str, model: str, port: int, args, scratch: pathlib.Path) -> s
         env["OMP_NUM_THREADS"] = str(args.threads)
     else:
         from samcache.bench.peers.vllm_launcher import find_vllm_python
+        from samcache.profile.image_attention import declared
 
         cmd = [str(find_vllm_python(args.vllm_python)), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len),
                "--limit-mm-per-prompt", json.dumps({"image": args.max_images}), "--enable-prefix-caching",
                "--seed", "0"]
+        if declared(model).isolated:  # with and without the plugin: every image whole in one step
+            cmd += ["--disable-chunked-mm-input", "--max-num-batched-tokens", str(max(args.max_model_len, 16384))]
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    VLLM_CACHE_ROOT=str(scratch / "cache"), XDG_CACHE_HOME=str(scratch / "cache"),
                    VLLM_RPC_BASE_PATH=str(scratch), VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),

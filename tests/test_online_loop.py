@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from samcache.engine import ChatRequest, screenshot  # noqa: E402
 from samcache.engine.online import LoopStopped  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
-from samcache.errors import RequestCancelled  # noqa: E402
+from samcache.errors import PromptTooLong, RequestCancelled  # noqa: E402
 
 from engine_helpers import SIZE, assert_clean, make_engine  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_bad_arguments_are_clear_errors(path):
         engine.start_online(max_model_len=1)
     loop = engine.start_online()
     try:
-        with pytest.raises(TypeError, match="submit takes a ChatRequest, got dict"):
+        with pytest.raises(TypeError, match="submit takes a ChatRequest or PreparedChat, got dict"):
             loop.submit({"prompt": "hi"})
         with pytest.raises(TypeError, match="on_token must be callable"):
             loop.submit(request(70), on_token="print")
@@ -204,4 +204,34 @@ def test_bad_arguments_are_clear_errors(path):
         assert loop.running  # nothing above touched it
     finally:
         loop.stop()
+    assert_clean(engine)
+
+
+def test_prepared_requests_are_built_in_the_callers_thread_and_answer_as_the_plain_ones(path):
+    """engine.prepare builds the prompt (images decoded and hashed, text tokenized) where it is
+    called: the loop's thread then builds nothing between two steps, and the reply is the same."""
+    engine = make_engine(path)
+    built_in = []
+    real = engine.build_prompt
+    engine.build_prompt = lambda messages: built_in.append(threading.current_thread().name) or real(messages)
+    plain = engine.chat(**vars(request(1, tokens=5)))
+    built_in.clear()
+    prepared = [engine.prepare(request(i, tokens=5)) for i in (1, 2)]
+    assert built_in == [threading.current_thread().name] * 2
+    loop = engine.start_online(max_model_len=4096)
+    try:
+        got = [loop.submit(p).result(60) for p in prepared]
+        bad = engine.prepare(ChatRequest(messages=[user_message([], "hi")], max_new_tokens=5000))
+        with pytest.raises(PromptTooLong, match="max_model_len of 4096"):  # the admission still checks it
+            loop.submit(bad).result(60)
+        with pytest.raises(TypeError, match="submit takes a ChatRequest or PreparedChat, got str"):
+            loop.submit("hello")
+    finally:
+        loop.stop()
+    assert "samcache-step-loop" not in built_in and len(built_in) == 3
+    assert got[0].token_ids == plain.token_ids
+    with pytest.raises(TypeError, match="prepare takes a ChatRequest"):
+        engine.prepare("hello")
+    with pytest.raises(ValueError, match="either messages"):
+        engine.prepare(ChatRequest(messages=[user_message([], "hi")], prompt="also"))
     assert_clean(engine)

@@ -145,7 +145,35 @@ def test_the_plugins_read_the_profile_from_the_model_folder(causal, isolated):
     assert settings.keeps_image_order(layers, profile) == engine.keeps_image_order()
     assert ReuseSettings.from_mapping({"profile": str(causal / PROFILE_FILE)}, source="test").reuse_profile(
         None, layers) is not None
-    with pytest.raises(ValueError, match="samcache: .*declares isolated image attention, which the plugins do not serve"):
-        settings.reuse_profile(str(isolated), layers)
+    assert settings.isolated_serving(str(causal), profile, frame_token=7) is None
     with pytest.raises(ValueError, match="profile must be the path"):
         ReuseSettings.from_mapping({"profile": 3}, source="test")
+
+
+def test_the_plugins_serve_a_model_isolated_at_every_layer_and_refuse_the_rest(isolated, tmp_path):
+    """What the plugins read from an isolated checkpoint (its folder, or its profile): how to
+    compute its first-seen images; the top-k variant and explicit recompute rates are refused."""
+    from samcache.integrations.settings import ReuseSettings
+
+    settings = ReuseSettings()
+    profile = settings.reuse_profile(str(isolated), 4)  # no profile written: the folder's declaration
+    serving = settings.isolated_serving(str(isolated), profile, frame_token=7)
+    assert serving.attention == ImageAttention("isolated") and serving.frame_token == 7
+    assert serving.prefix(3) == [3, 7] and serving.check(3) == ("image-attention", "isolated", 3)
+    assert serving.check(None) != serving.check(3)  # an unknown first token matches no record
+    write_profile(make_profile(isolated, None), isolated)
+    assert settings.isolated_serving(None, settings.reuse_profile(str(isolated), 4), frame_token=7) == serving
+    with pytest.raises(ValueError, match="names no vision_start_token_id"):
+        settings.isolated_serving(str(isolated), None, frame_token=None)
+    with pytest.raises(ValueError, match="drop recompute_rates"):
+        ReuseSettings(recompute_rates=(0.1,) * 4).isolated_serving(str(isolated), None, frame_token=7)
+    top = tmp_path / "top"
+    shutil.copytree(isolated, top)
+    (top / PROFILE_FILE).unlink()
+    declare(top, ImageAttention("isolated", context_layers=2))
+    with pytest.raises(ValueError, match="keeps its top 2 layers in context, which the plugins do not serve"):
+        settings.isolated_serving(str(top), None, frame_token=7)
+    nosink = ImageAttention("isolated", sink=False)
+    declare(top, nosink)
+    serving = settings.isolated_serving(str(top), None, frame_token=7)
+    assert serving.prefix(None) == [7] and serving.check(None) == ("image-attention", "isolated-nosink", None)

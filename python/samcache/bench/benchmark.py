@@ -248,6 +248,29 @@ def _work(rec: dict) -> list[int]:
     return [rec["prefilled_tokens"], rec["prefix_reused_tokens"], rec["image_reused_tokens"], rec["vit_calls"]]
 
 
+def declaring_checkpoint(model_path, attention) -> str:
+    """A checkpoint folder that declares ``attention`` with ``model_path``'s weights: ``model_path``
+    itself where it does, else a sibling folder of links to its files with its config.json
+    declaring it (the peers read a model's image attention from its folder, as a user serves it)."""
+    import pathlib
+    import shutil
+
+    from samcache.profile.image_attention import declare, declared
+
+    source = pathlib.Path(model_path)
+    if declared(source) == attention:
+        return str(source)
+    target = source.with_name(f"{source.name}.{attention.name}")
+    if not (target / "config.json").is_file() or declared(target) != attention:
+        target.mkdir(exist_ok=True)
+        for f in source.iterdir():
+            if f.is_file() and f.name != "config.json" and not (target / f.name).exists():
+                (target / f.name).symlink_to(f.resolve())
+        shutil.copyfile(source / "config.json", target / "config.json")
+        declare(target, attention)
+    return str(target)
+
+
 def run_benchmark(
     trace: Trace,
     model_path,
@@ -386,6 +409,7 @@ def run_benchmark(
                            -(-(max(peer_lengths) + 64) // PEER_BLOCK_SIZE) * PEER_BLOCK_SIZE)
         # vLLM + samcache is measured against vanilla vLLM's full prefill (its prefix cache is exact).
         peer_fidelity = fidelity and "vllm" in peers and "vllm-samcache" in peers
+        peer_model = declaring_checkpoint(model_path, shared.image_attention)
 
     def play_peer(mode: str, play_index: int) -> tuple[list[dict], dict]:
         log = pathlib.Path(peer_log_dir) / f"{mode}-play{play_index}.log" if peer_log_dir else None
@@ -393,7 +417,7 @@ def run_benchmark(
         keep = keeps_image_order(base.get("keep_image_order", "auto"), curves, recompute[0],
                                  isolated=shared.image_attention.isolated)
         plugin = {"recompute_ratio": recompute[0], "keep_image_order": keep} if mode == "vllm-samcache" else None
-        out = run_trace([messages for messages, _ in prompts], model_path, python=vllm_python, threads=threads,
+        out = run_trace([messages for messages, _ in prompts], peer_model, python=vllm_python, threads=threads,
                         dtype=str(shared.dtype).replace("torch.", ""), max_model_len=peer_max_len,
                         warmup=peer_warm, log_path=log, samcache=plugin, logprobs=peer_fidelity)
         records = []

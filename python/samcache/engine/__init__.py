@@ -7,7 +7,7 @@ Along the data flow: ``prompt`` / ``images`` (requests as tokens and positions),
 serving path (``samcache.bench.task_accuracy`` builds task evaluations on them). See docs/design.md ("The engine").
 """
 
-from samcache.engine.api import BatchError, ChatRequest, ChatResult, SAMcacheEngine, Session
+from samcache.engine.api import BatchError, ChatRequest, ChatResult, PreparedChat, SAMcacheEngine, Session
 from samcache.engine.config import (CacheConfig, CompressionConfig, EngineConfig, EvictionConfig, RecomputeConfig,
                                     TierConfig)
 from samcache.engine.batch import SequenceStep, StepBatch
@@ -37,6 +37,7 @@ __all__ = [
     "Finished",
     "ModelRunner",
     "Prepared",
+    "PreparedChat",
     "Prompt",
     "RecomputeConfig",
     "RequestOptions",

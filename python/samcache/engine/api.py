@@ -123,6 +123,16 @@ class ChatRequest:
             raise TypeError(f"agent must be a non-empty str or None, got {self.agent!r}")
 
 
+@dataclass(frozen=True)
+class PreparedChat:
+    """A :class:`ChatRequest` with its prompt built (:meth:`SAMcacheEngine.prepare`): what it sends
+    (``history``) and its ``prompt``. The online loop admits it as it stands."""
+
+    request: ChatRequest
+    history: list
+    prompt: Prompt
+
+
 @dataclass
 class ChatResult:
     text: str
@@ -303,6 +313,7 @@ class SAMcacheEngine:
         self._turns = 0
         self._online = None  # the background step loop, once start_online() runs
         self._lock = threading.RLock()
+        self._text_lock = threading.Lock()
 
     def _build_stores(self, cache: CacheConfig, tiers: TierConfig) -> None:
         """The stores, the tiers below the pool and the executor over them."""
@@ -578,8 +589,9 @@ class SAMcacheEngine:
         """Chat messages -> token ids, image spans and M-RoPE positions (images decoded and hashed)."""
         rendered, raw_images = normalize_messages(messages)
         images = [prepare_image(im, self.geometry, self._preprocess) for im in raw_images]
-        text = self.processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._text_lock:  # a fast tokenizer's call may change its settings: one thread at a time
+            text = self.processor.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if isinstance(self.geometry, TileGeometry):
             tok = self.tokenizer
             return build_prompt_tiles(ids, images, image_token_id=self.image_token_id, start_id=tok.start_image_token_id,
@@ -676,9 +688,18 @@ class SAMcacheEngine:
         return self._solved[key]
 
     # ---- serving --------------------------------------------------------------------------------
-    def _admission(self, req: ChatRequest, start: float) -> tuple[Admission, list[dict]]:
-        sampler = Sampler(req.temperature, req.top_p,
-                          seed=(self.seed + self._turns) % SEED_LIMIT if req.seed is None else req.seed)
+    def prepare(self, req: ChatRequest) -> "PreparedChat":
+        """``req`` with its prompt built: images decoded and hashed, text tokenized. Safe from any
+        thread and needs no lock: a server prepares each request in a worker thread, and the
+        online loop then admits it without building anything on its own thread. Raises for bad
+        input as ``chat`` does."""
+        if not isinstance(req, ChatRequest):
+            raise TypeError(f"prepare takes a ChatRequest, got {type(req).__name__}")
+        history = self._history(req)
+        return PreparedChat(req, history, self.build_prompt(history))
+
+    def _history(self, req: ChatRequest) -> list[dict]:
+        """The messages ``req`` sends: its own, or its session's and the new turn."""
         if req.messages is not None:
             if req.images is not None or req.prompt is not None or req.session is not None:
                 raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
@@ -695,9 +716,20 @@ class SAMcacheEngine:
             if req.session is not None and req.session.abandoned:
                 raise ValueError("this session was abandoned (engine.abandon_session); fork another one to go on")
             history = (list(req.session.messages) if req.session is not None else []) + [user_message(list(images or []), prompt)]
+        return list(history)
+
+    def _admission(self, req: "ChatRequest | PreparedChat", start: float) -> tuple[Admission, list[dict]]:
+        prepared = req if isinstance(req, PreparedChat) else None
+        req = prepared.request if prepared is not None else req
+        sampler = Sampler(req.temperature, req.top_p,
+                          seed=(self.seed + self._turns) % SEED_LIMIT if req.seed is None else req.seed)
+        if prepared is None:
+            history = self._history(req)
+            prompt_ = self.build_prompt(history)
+        else:
+            history, prompt_ = prepared.history, prepared.prompt
         tenant = req.tenant if req.tenant is not None else (req.session.tenant if req.session is not None else self.tenant)
         self._turns += 1
-        prompt_ = self.build_prompt(history)
         self._check_fits(prompt_, req.max_new_tokens)
         adm = Admission(prompt_, Namespace(self.model_id, tenant), self.request_options(), sampler,
                         req.max_new_tokens, ignore_eos=req.ignore_eos, keep_prefill=req.fidelity,
@@ -782,7 +814,7 @@ class SAMcacheEngine:
 
         with self._lock:
             if self._online is None or not self._online.running:
-                self._online = OnlineLoop(self, request_type=ChatRequest, max_model_len=max_model_len)
+                self._online = OnlineLoop(self, request_type=(ChatRequest, PreparedChat), max_model_len=max_model_len)
                 self._online.start()
             return self._online
 
@@ -919,4 +951,4 @@ class SAMcacheEngine:
                 f"{self.pool.block_size}, recompute={self.recompute_ratio} {self.recompute_budget})")
 
 
-__all__ = ["BatchError", "CALIBRATION_CONTINUATION", "ChatRequest", "ChatResult", "SAMcacheEngine", "Session"]
+__all__ = ["BatchError", "CALIBRATION_CONTINUATION", "ChatRequest", "ChatResult", "PreparedChat", "SAMcacheEngine", "Session"]

@@ -62,10 +62,10 @@ class _Live:
 class OnlineLoop:
     """The step loop of ``engine`` in a background thread (``engine.start_online()`` makes one)."""
 
-    def __init__(self, engine, *, request_type: type = object, max_model_len: int | None = None,
+    def __init__(self, engine, *, request_type: type | tuple = object, max_model_len: int | None = None,
                  poll_s: float = 0.05) -> None:
         self.engine = engine
-        self.request_type = request_type  # what submit() takes (the engine's ChatRequest)
+        self.request_type = request_type  # what submit() takes (the engine's ChatRequest and PreparedChat)
         self.max_model_len = None if max_model_len is None else check_int("max_model_len", max_model_len, 2)
         self.poll_s = poll_s
         self._inbox: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
@@ -99,12 +99,15 @@ class OnlineLoop:
 
     def submit(self, request, on_token: Callable[[int], bool | None] | None = None, *, fill: bool = False
                ) -> RequestHandle:
-        """Queue ``request`` (a ``ChatRequest``); it joins the running batch at the next step.
+        """Queue ``request`` (a ``ChatRequest``, or a ``PreparedChat``: its prompt built beforehand,
+        in the caller's thread, by ``engine.prepare``; else it is built here, on the loop's thread,
+        between two steps); it joins the running batch at the next step.
         ``on_token(token_id)`` is called from the loop's thread with each sampled token; a true
         return ends the request there (finish reason "stop"). ``fill``: decode until the prompt and
         reply reach ``max_model_len`` (or an end token)."""
         if not isinstance(request, self.request_type):
-            raise TypeError(f"submit takes a {self.request_type.__name__}, got {type(request).__name__}")
+            kinds = self.request_type if isinstance(self.request_type, tuple) else (self.request_type,)
+            raise TypeError(f"submit takes a {' or '.join(k.__name__ for k in kinds)}, got {type(request).__name__}")
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable or None, got {type(on_token).__name__}")
         if not isinstance(fill, bool):
@@ -254,7 +257,8 @@ class OnlineLoop:
             if live.handle.future.done():
                 continue
             try:
-                result = engine._complete(live.handle.request, live.admission, live.history, live.ticket.result)
+                request = getattr(live.handle.request, "request", live.handle.request)  # a PreparedChat's own
+                result = engine._complete(request, live.admission, live.history, live.ticket.result)
             except Exception as e:  # noqa: BLE001 - e.g. a held session that could not keep its blocks
                 result = e
             self._settle(live.handle, result)

@@ -25,6 +25,7 @@ import torch
 
 from samcache.errors import InvariantViolation
 from samcache.hashing import ContentHash, ContentKey, Namespace
+from samcache.integrations.isolated_rows import IsolatedServing, SideRowsBuilder
 from samcache.ops.rope import rope_rerotate
 from samcache.reuse import CachedImage, ImageSlot, PromptLayout, RecomputeBudget, ReuseCounters, image_key, plan_request
 
@@ -50,18 +51,29 @@ class PendingSave:
     rows: torch.Tensor
     positions: torch.Tensor
     index: int | None = None
+    side_at: int | None = None  # computed in side rows (isolated model): its first row's side index
+    record: tuple = ()          # what else its store record must match (an isolated model's variant and sink)
     k: list[torch.Tensor] = field(default_factory=list)
     v: list[torch.Tensor] = field(default_factory=list)
 
     def capture(self, layer_rows: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep this image's rows of the keys and values a layer wrote for ``layer_rows`` (None:
-        every row of the step)."""
-        index = self.rows if layer_rows is None else torch.searchsorted(layer_rows, self.rows)
+        every row of the step), the side rows after them."""
+        if self.side_at is not None:
+            first = (keys.size(0) if layer_rows is None else layer_rows.numel()) + self.side_at
+            index = torch.arange(first, first + self.rows.numel())
+        else:
+            index = self.rows if layer_rows is None else torch.searchsorted(layer_rows, self.rows)
         self.k.append(keys.index_select(0, index))
         self.v.append(values.index_select(0, index))
 
     def image_kv(self) -> ImageKV:
         return ImageKV(torch.stack(self.k), torch.stack(self.v), self.positions, self.index)
+
+    @property
+    def check(self) -> tuple:
+        """The store's check value of this image's record (a lookup must name the same)."""
+        return (self.rows.numel(), *self.record)
 
 
 class KVWriter(Protocol):
@@ -151,7 +163,8 @@ class StepPlan:
     layer computes), each layer's recompute rows, the images to save, the counters, and
     ``approximate``: per request (the ``owner`` the plugin names) whose KV is approximate from
     some token on, its exact leading tokens (only those may stay in the serving engine's exact
-    prefix cache)."""
+    prefix cache). ``side``: an isolated model's first-seen images, computed in side rows
+    (:mod:`samcache.integrations.isolated_rows`); their rows of the step are ``skipped``."""
 
     total: int
     num_layers: int
@@ -160,24 +173,39 @@ class StepPlan:
     saves: list[PendingSave] = field(default_factory=list)
     counters: ReuseCounters = field(default_factory=ReuseCounters)
     approximate: dict[Any, int] = field(default_factory=dict)
+    side: SideRowsBuilder = field(default_factory=SideRowsBuilder)
 
     def __post_init__(self) -> None:
         self.skipped = np.zeros(self.total, dtype=bool)
         self.recompute = [[] for _ in range(self.num_layers)]
 
+    def _fallback(self, owner: Any, start: int) -> None:
+        """An isolated image at prompt token ``start`` computed in context: the request's KV is
+        approximate from there."""
+        self.counters.isolated_fallbacks += 1
+        self.approximate[owner] = min(start, self.approximate.get(owner, start))
+
     def add_request(self, images: Sequence[RequestImage], *, begin: int, end: int, base: int, namespace: Namespace,
                     store: Any, budget: RecomputeBudget | None, keep_image_order: bool, positions: torch.Tensor,
                     slots: torch.Tensor, cache: KVWriter, rotary: Rotary, may_splice: bool = True,
-                    owner: Any = None) -> None:
+                    owner: Any = None, isolated: IsolatedServing | None = None,
+                    sink_token: int | None = None) -> None:
         """Plan a request whose prompt tokens ``[begin, end)`` are the step's flattened rows from
         ``base`` on (``positions`` [3, rows], ``slots`` its KV slots by row), splice the images the
         store holds into the cache, and list those computed whole here to save. ``may_splice``
         False: every image is computed (the engine reads those rows), and still saved. ``owner``:
-        the request's name in :attr:`approximate` where the splice leaves its KV approximate."""
+        the request's name in :attr:`approximate` where the splice leaves its KV approximate.
+        ``isolated``: the model's images attend in isolation (after ``sink_token``, the prompt's
+        first token): stored images are exact anywhere, first-seen ones are computed in side rows.
+        One that cannot be (cut by the step's end, its first tokens from the prefix cache and no
+        longer stored, or the prompt's first token unknown) is computed in context and counted in
+        ``isolated_fallbacks``; its request is approximate from there."""
         unnamed: set = set()  # keys of images that cannot be named: never looked up, never saved
         layout_images = []
         for index, image in enumerate(images):
             if image.offset + image.length > end:
+                if isolated is not None and image.offset < end:  # its first tokens here: computed in context
+                    self._fallback(owner, image.offset)
                 break  # cut by the step's end (or later): computed as the engine does, as is everything after
             if image.content is None:
                 key = ("unnamed", index)
@@ -189,20 +217,34 @@ class StepPlan:
             layout_images.append(ImageSlot(index, image.offset, image.length, key, position))
         layout = PromptLayout(num_tokens=end, images=tuple(layout_images))
 
+        record = (() if isolated is None else isolated.check(sink_token))
+
         def lookup(slot: ImageSlot):
-            entry = store.get(slot.key, check=(slot.length,)) if may_splice and slot.key not in unnamed else None
+            named = may_splice and slot.key not in unnamed
+            entry = store.get(slot.key, check=(slot.length, *record)) if named else None
             if entry is None:
                 return None
-            return CachedImage(entry.k.size(1), int(entry.positions[0, 0]), entry.index), entry
+            return CachedImage(entry.k.size(1), int(entry.positions[0, 0]), entry.index,
+                               exact=isolated is not None), entry
 
         request = plan_request(layout, prefix_tokens=begin, lookup=lookup, budget=budget, num_layers=self.num_layers)
         if request.plan.exact_tokens < end:
             self.approximate[owner] = request.plan.exact_tokens
         saving = {save.key for save in self.saves}
         for slot in request.misses:
-            if slot.key not in unnamed and slot.start >= begin and slot.key not in saving:  # whole in this step
-                rows = torch.arange(base + slot.start - begin, base + slot.end - begin)
-                self.saves.append(PendingSave(slot.key, rows, positions[:, rows].cpu().clone(), slot.index))
+            whole = slot.start >= begin  # else its first tokens came from the prefix cache
+            rows = torch.arange(base + max(slot.start, begin) - begin, base + slot.end - begin)
+            side_at = None
+            if isolated is not None:
+                if not whole or (isolated.attention.sink and sink_token is None):
+                    self._fallback(owner, slot.start)
+                    continue
+                side_at = self.side.add(isolated.prefix(sink_token), rows, positions[:, rows].cpu())
+                self.counters.isolated_images += 1
+                self.skipped[rows.numpy()] = True
+            if slot.key not in unnamed and whole and slot.key not in saving:
+                self.saves.append(PendingSave(slot.key, rows, positions[:, rows].cpu().clone(), slot.index,
+                                              side_at=side_at, record=record))
                 saving.add(slot.key)
         for span in request.plan.spliced:
             entry = request.hits[layout.images[span.image].key]

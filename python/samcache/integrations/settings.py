@@ -24,14 +24,15 @@ class ReuseSettings:
     ``recompute_method``: the repair method that orders the recomputed tokens
     (:mod:`samcache.recompute.method`): ``"two-track"`` (default; track 2 in position order: the
     plugins have no relevance scores) or ``"boundary"``; ``"deviation"``, ``"boundary+deviation"``
-    and ``"isolated"`` need samcache's own forward and are refused at start-up;
+    and ``"isolated"`` (the repair method) need samcache's own forward and are refused at start-up;
     ``head_fraction``: share of each image's quota spent on its first tokens (two-track's track 1);
     ``sensitivity``: the path of calibrated curves (``engine.calibrate(save=...)`` on samcache's
     engine, same checkpoint): the per-layer rates are then solved from them (layer-aware, as the
     engine does) unless ``recompute_rates`` are given; ``keep_image_order``: an image's KV is reused
     only where it keeps its index among the request's images (True), at any index (False), or as
     the curves' image-order check says for the served rates (``"auto"``, default; without curves
-    the order is kept: exact);
+    the order is kept: exact), for a model whose images attend in isolation always at any index
+    (exact: nothing is recomputed, :meth:`isolated_serving`);
     ``profile``: the path of the model's reuse profile (``samcache calibrate MODEL``); by default
     the plugin reads ``samcache_profile.json`` from the model's folder (:meth:`reuse_profile`), and
     its curves serve where ``sensitivity`` is not given;
@@ -132,29 +133,45 @@ class ReuseSettings:
 
     def reuse_profile(self, model: str | None, num_layers: int):
         """The model's reuse profile: ``profile`` if given, else the one in checkpoint folder
-        ``model`` (None where there is none), checked against the checkpoint. A checkpoint whose
-        images attend in isolation is refused: the plugins compute first-seen images as the engine
-        they run in does, in context, which is not what such a model was trained on."""
+        ``model`` (None where there is none), checked against the checkpoint."""
         import pathlib
 
-        from samcache.profile.image_attention import declared
         from samcache.profile.reuse_profile import find_profile, read_profile
 
         folder = model if model is not None and pathlib.Path(model).is_dir() else None
         try:
-            if folder is not None and declared(folder).isolated:
-                raise ValueError(f"{folder} declares isolated image attention, which the plugins do not serve yet "
-                                 "(first-seen images would be computed in context); serve it with samcache's engine")
             if self.profile is not None:
-                profile = read_profile(self.profile, folder, num_layers=num_layers)
-            else:
-                profile = find_profile(folder, num_layers=num_layers) if folder is not None else None
+                return read_profile(self.profile, folder, num_layers=num_layers)
+            return find_profile(folder, num_layers=num_layers) if folder is not None else None
         except ValueError as e:
             raise ValueError(f"samcache: {e}") from None
-        if profile is not None and profile.image_attention.isolated:
-            raise ValueError(f"samcache: the reuse profile says isolated image attention, which the plugins do not "
-                             "serve yet; serve it with samcache's engine")
-        return profile
+
+    def isolated_serving(self, model: str | None, profile, frame_token: int | None):
+        """How to serve the model's images when they attend in isolation (its checkpoint folder
+        ``model`` or its reuse ``profile`` says so): an
+        :class:`~samcache.integrations.isolated_rows.IsolatedServing`, else None (causal). The
+        plugins serve models isolated at every layer; the top-k variant is refused here, at
+        start-up, and so are explicit ``recompute_rates`` (an isolated image's KV is exact anywhere:
+        recomputing it in context would make it wrong; ``recompute_ratio`` and curves go unused)."""
+        import pathlib
+
+        from samcache.integrations.isolated_rows import IsolatedServing
+        from samcache.profile.image_attention import declared
+
+        folder = model if model is not None and pathlib.Path(model).is_dir() else None
+        try:
+            attention = profile.image_attention if profile is not None else declared(folder) if folder else None
+        except ValueError as e:
+            raise ValueError(f"samcache: {e}") from None
+        if attention is None or not attention.isolated:
+            return None
+        if self.recompute_rates is not None:
+            raise ValueError(f"samcache: {model} declares image attention {attention.name}: a reused image's KV is "
+                             "exact at any index and nothing of it is recomputed; drop recompute_rates")
+        if frame_token is None:
+            raise ValueError(f"samcache: {model} declares image attention {attention.name}, but its config names "
+                             "no vision_start_token_id (the frame token its images are computed after)")
+        return IsolatedServing(attention, int(frame_token))
 
     def budget(self, num_layers: int, profile=None):
         """The recompute budget of a model of ``num_layers`` decoder layers: the per-layer rates in

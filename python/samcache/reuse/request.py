@@ -95,6 +95,8 @@ class ReuseCounters:
     image_kv_hits: int = 0            # images past the prefix found in the store
     image_kv_misses: int = 0          # ... and not found (computed; stored where they are whole)
     images_saved: int = 0             # images the store took
+    isolated_images: int = 0          # an isolated model's first-seen images computed alone (plugins: side rows)
+    isolated_fallbacks: int = 0       # ... that could not be (computed in context, their request marked approximate)
 
     def count(self, request: RequestPlan, scheduled_tokens: int | None = None, uncounted: int = 0) -> None:
         """Add one request's plan (``scheduled_tokens``: the tokens it scheduled, default: the

@@ -1,7 +1,8 @@
 """The HTTP server: OpenAI's chat-completions API over samcache's online step loop (FastAPI).
 
-Every request is turned into the engine's request in a worker thread (images decoded there, off
-the event loop), submitted to the engine's :class:`~samcache.engine.online.OnlineLoop` (it joins
+Every request is turned into the engine's request and prepared (images decoded and hashed, text
+tokenized) in worker threads, off the event loop and off the step loop's thread, then submitted to
+the engine's :class:`~samcache.engine.online.OnlineLoop` (it joins
 the running batch at the next step) and answered as OpenAI does: one JSON body, or server-sent
 events with one chunk per piece of text. A client that closes its stream cancels its request: its
 blocks are freed at the next step. Errors are OpenAI-style JSON with a 4xx/5xx status; the server
@@ -156,6 +157,11 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         check_model(body.model)
         fill = body.max_tokens is None and body.max_completion_tokens is None
         request = await asyncio.to_thread(chat_request, body, settings.limits)
+        try:  # images decoded and hashed, text tokenized: off the event loop and the step loop's thread
+            request = await asyncio.to_thread(engine.prepare, request)
+        except Exception as e:  # noqa: BLE001 - this request's bad input, as an HTTP error
+            state["metrics"].failed(str(engine_error(e).status))
+            raise engine_error(e) from None
         text = ReplyText(engine.tokenizer, body.stop or ())
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         aloop = asyncio.get_running_loop()

@@ -28,6 +28,18 @@ import sys
 import time
 
 
+def step_budget(model: str, max_model_len: int) -> dict:
+    """vLLM's step budget: a whole prompt in one step; for a checkpoint that declares isolated image
+    attention (config.json's ``samcache_image_attention``, read here as samcache reads it), the
+    same with and without the plugin, every image whole in one step (the plugin computes a
+    first-seen image alone) with room for the largest image."""
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        attention = json.load(f).get("samcache_image_attention") or {}
+    if attention.get("mode") != "isolated":
+        return {"max_num_batched_tokens": max_model_len}
+    return {"max_num_batched_tokens": max(max_model_len, 16384), "disable_chunked_mm_input": True}
+
+
 def main(request_path: str, result_path: str) -> int:
     from PIL import Image
 
@@ -64,9 +76,9 @@ def main(request_path: str, result_path: str) -> int:
         extra["max_logprobs"] = -1
     start = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True, block_size=req["block_size"],
-              max_model_len=req["max_model_len"], max_num_batched_tokens=req["max_model_len"],
+              max_model_len=req["max_model_len"],
               limit_mm_per_prompt={"image": max(1, req["max_images"])}, enable_prefix_caching=True, seed=req["seed"],
-              **extra)
+              **step_budget(req["model"], req["max_model_len"]), **extra)
     startup = time.perf_counter() - start
     first = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1 if logprobs else None)
     for warm in req.get("warmup", []):  # first-call costs out of the first measured turn

@@ -10,7 +10,8 @@ position.
 The sparse path: while samcache's model override runs a layer on a subset of the step's rows (new
 tokens + that layer's recompute rows; spliced image rows skipped), it hands the backend those rows
 (:meth:`SamcacheAttnBackend.use_rows`). The backend then writes only those rows' keys and values and
-attends for those rows only, each at its own position: the same kernel, fewer rows.
+attends for those rows only, each at its own position: the same kernel, fewer rows. An isolated
+model's first-seen images come as side rows after those (:meth:`SamcacheAttnBackend.use_side`).
 
 CUDA graphs are not supported yet (the metadata is built on the host each step, with a size that
 varies); SGLang must run with ``--cuda-graph-backend-decode=disabled
@@ -28,6 +29,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from samcache.integrations.isolated_rows import SideRows
 from samcache.integrations.sglang.step import host_ints
 from samcache.ops.sparse_attention import AttentionMetadata, sparse_attention
 
@@ -59,11 +61,12 @@ class SamcacheAttnBackend(AttentionBackend):
                              "supported; use the model's dtype")
         self.forward_metadata: StepMetadata | None = None
         self._rows: list[torch.Tensor] | None = None
+        self._side: SideRows | None = None
 
     # -- per step ------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
         mode = forward_batch.forward_mode
-        self._rows = None
+        self._rows = self._side = None
         if mode.is_idle():
             self.forward_metadata = None
             return
@@ -98,6 +101,12 @@ class SamcacheAttnBackend(AttentionBackend):
         None: every row). Set by the model override for one forward, cleared by the next step."""
         self._rows = rows
 
+    def use_side(self, side: SideRows | None) -> None:
+        """Side rows after each layer's rows (an isolated model's first-seen images,
+        :mod:`samcache.integrations.isolated_rows`): their image rows' keys and values go to the
+        images' slots, and they attend among themselves. Set with :meth:`use_rows`."""
+        self._side = side
+
     # -- per layer -----------------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
@@ -118,10 +127,23 @@ class SamcacheAttnBackend(AttentionBackend):
             meta, loc = self._selection(self._rows[layer.layer_id], forward_batch)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, heads, dim)
-        if q3.size(0) != meta.q_pos.numel():
-            raise ValueError(f"samcache attention backend: {q3.size(0)} query rows for a batch of "
-                             f"{meta.q_pos.numel()} rows")
-        if save_kv_cache and k is not None and v is not None:
+        side, rows = self._side, meta.q_pos.numel()
+        if q3.size(0) != rows + (side.size if side is not None else 0):
+            raise ValueError(f"samcache attention backend: {q3.size(0)} query rows for a batch of {rows} rows"
+                             + (f" and {side.size} side rows" if side is not None else ""))
+        side_out = None
+        if side is not None:
+            k3 = k.reshape(q3.size(0), -1, dim)
+            v3 = v.reshape(q3.size(0), -1, layer.v_head_dim)
+            side_out = side.attention(q3[rows:], k3[rows:], v3[rows:], layer.scaling)
+            if save_kv_cache:  # the step's rows first: a side row's slot may also be a computed row's
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k3[:rows], v3[:rows])
+                pick = side.image_at.to(k3.device)
+                side_loc = forward_batch.out_cache_loc.index_select(0, side.image_rows.to(loc.device))
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(side_loc, None), k3[rows:].index_select(0, pick),
+                                                    v3[rows:].index_select(0, pick))
+            q3 = q3[:rows]
+        elif save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
         key_cache = self._paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         value_cache = self._paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id))
@@ -130,6 +152,8 @@ class SamcacheAttnBackend(AttentionBackend):
         window = int(window) + 1 if window is not None and window > -1 else -1
         out, _ = sparse_attention(q3.to(key_cache.dtype).contiguous(), meta, key_cache, value_cache,
                                   scale=layer.scaling, window=window, logit_cap=float(layer.logit_cap or 0.0))
+        if side_out is not None:
+            out = torch.cat([out.to(side_out.dtype), side_out])
         return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
 
     def _selection(self, rows: torch.Tensor, forward_batch) -> tuple[AttentionMetadata, torch.Tensor]:

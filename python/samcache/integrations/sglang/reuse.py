@@ -96,17 +96,28 @@ def run_rows(language_model: torch.nn.Module, step: SglangStep, positions: torch
     of the result are zero (never read: SGLang samples each request's last row, always computed).
     ``input_deepstack_embeds`` (Qwen3-VL): the vision tower's per-layer features, added to the
     output of the first decoder layers as SGLang's inference path adds them."""
-    rows, select = step.rows, step.select
+    rows, select, side = step.rows, step.select, step.side
     hidden = inputs_embeds.index_select(0, rows[0].to(inputs_embeds.device))
     pos = positions.index_select(1, rows[0].to(positions.device))
+    if side is not None:  # an isolated model's first-seen images: side rows after the step's, every layer
+        if input_deepstack_embeds is not None:
+            raise ValueError("samcache: isolated image attention is not served for deepstack models (Qwen3-VL)")
+        hidden = torch.cat([hidden, side.embeddings(inputs_embeds, language_model.embed_tokens)])
+        side_pos = side.positions.to(pos.device)
+        pos = torch.cat([pos, side_pos], dim=1)
     deepstack_layers = getattr(language_model, "deepstack_embed_to_decoder_layer", ())
     width = inputs_embeds.size(-1)
     residual_batch.start(forward_batch)
     for index in range(language_model.start_layer, language_model.end_layer):
         sel = select[index]
         if sel is not None:  # this layer computes fewer rows than the one before
+            if side is not None:  # the side rows stay, after the step's
+                before = rows[index - 1].numel()
+                sel = torch.cat([sel, torch.arange(before, before + side.size)])
             hidden = _gather_stream(hidden, forward_batch, sel)
             pos = positions.index_select(1, rows[index].to(positions.device))
+            if side is not None:
+                pos = torch.cat([pos, side_pos], dim=1)
         hidden = language_model.layers[index](pos, hidden, forward_batch)
         if input_deepstack_embeds is not None and index in deepstack_layers:
             extra = input_deepstack_embeds[:, width * index: width * (index + 1)]
@@ -114,7 +125,7 @@ def run_rows(language_model: torch.nn.Module, step: SglangStep, positions: torch
                                                   extra.index_select(0, rows[index].to(extra.device)))
     hidden = residual_batch.final_norm(hidden, forward_batch, language_model.norm, skip_empty=True)
     out = hidden.new_zeros((inputs_embeds.size(0), hidden.size(-1)))
-    out.index_copy_(0, rows[-1].to(out.device), hidden)
+    out.index_copy_(0, rows[-1].to(out.device), hidden[:rows[-1].numel()])
     return out
 
 
@@ -153,8 +164,17 @@ class ModelReuse:
         self.rotary = Rotary.of(language_model.layers[0].self_attn.rotary_emb, "SGLang")
         self.attention_layers = [layer.self_attn.attn for layer in language_model.layers]
         profile = self.settings.reuse_profile(model_path(model), self.num_layers)
-        self.budget = self.settings.budget(self.num_layers, profile)
-        self.keep_image_order = self.settings.keeps_image_order(self.num_layers, profile)
+        config = getattr(model, "config", None)
+        self.isolated = self.settings.isolated_serving(model_path(model), profile,
+                                                       getattr(config, "vision_start_token_id", None))
+        if self.isolated is not None:  # exact at any index: nothing recomputed, the order kept only if asked
+            if getattr(language_model, "deepstack_embed_to_decoder_layer", None):
+                raise ValueError("samcache: isolated image attention is not served for deepstack models (Qwen3-VL) "
+                                 "in this version")
+            self.budget, self.keep_image_order = None, self.settings.keep_image_order is True
+        else:
+            self.budget = self.settings.budget(self.num_layers, profile)
+            self.keep_image_order = self.settings.keeps_image_order(self.num_layers, profile)
         self.store = store if store is not None else _process_store()
         self.policy = StorePolicy(self.settings, self.store)
         dtype = next(model.parameters()).dtype
@@ -217,9 +237,14 @@ class ModelReuse:
         cache = PoolWriter(backend.token_to_kv_pool, self.attention_layers)
         return plan_step(forward_batch, cache=cache, rotary=self.rotary, store=self.store,
                          namespace_of=self.namespace_of(forward_batch), budget=self.budget,
-                         num_layers=self.num_layers, keep_image_order=self.keep_image_order)
+                         num_layers=self.num_layers, keep_image_order=self.keep_image_order, isolated=self.isolated)
 
     def finish(self, step: SglangStep, forward_batch: Any) -> None:
+        if step.stats.isolated_fallbacks:
+            logger.warning("samcache: %d image(s) of this isolated model could not be computed alone (split by a "
+                           "chunk, first tokens from the prefix cache and no longer stored, or the prompt's first "
+                           "token unknown): computed in context, kept out of the prefix cache",
+                           step.stats.isolated_fallbacks)
         backend = get_attn_backend()
         save_images(step, forward_batch, PoolWriter(backend.token_to_kv_pool, self.attention_layers), self.store,
                     self.num_layers)
@@ -232,12 +257,20 @@ class ModelReuse:
         """The final hidden states of an extend step run on ``step``'s rows."""
         backend = get_attn_backend()
         backend.use_rows(step.rows)
+        backend.use_side(step.side)
+        real = getattr(forward_batch, "global_num_token_non_padded_cpu", None)
+        if step.side is not None and real is not None:
+            # SGLang takes the rows past this count for padding and drops them before attention.
+            forward_batch.global_num_token_non_padded_cpu = int(real) + step.side.size
         try:
             return embed_routine(input_ids=input_ids, forward_batch=forward_batch,
                                  language_model=_RowsLanguageModel(model.model, step), multimodal_model=model,
                                  positions=forward_batch.mrope_positions, **embed_kwargs)
         finally:
             backend.use_rows(None)
+            backend.use_side(None)
+            if step.side is not None and real is not None:
+                forward_batch.global_num_token_non_padded_cpu = real
 
 
 class ReuseOverride:

@@ -15,6 +15,10 @@ and its images (``mm_inputs``). For every request whose extend range holds whole
    attends for those rows at their own positions (:meth:`SglangStep.rows`);
 4. images computed whole in this step and not yet stored are read back from the pool after the
    forward (every layer's keys and values sit at their slots) and stored.
+
+An isolated model's first-seen images are computed in side rows after the step's own
+(:mod:`samcache.integrations.isolated_rows`), which write their keys and values into the images'
+slots; the step's own rows of those images are skipped like a splice.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import PendingSave, RequestImage, Rotary, StepPlan, layer_rows
+from samcache.integrations.isolated_rows import IsolatedServing, SideRows
 from samcache.integrations.sglang.exactness import mark_batch
 from samcache.integrations.sglang.identity import image_refs
 from samcache.reuse import RecomputeBudget, ReuseCounters
@@ -48,6 +53,7 @@ class SglangStep:
     select: list[torch.Tensor | None]
     saves: list[PendingSave]
     stats: ReuseStats = field(default_factory=ReuseStats)
+    side: SideRows | None = None  # an isolated model's first-seen images, computed in rows after ``rows[l]``
 
     @property
     def sparse(self) -> bool:
@@ -80,9 +86,11 @@ def host_ints(host_values: Any, values: Any) -> np.ndarray:
 
 def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: Any,
               namespace_of: Callable[[int], Namespace], budget: RecomputeBudget | None,
-              num_layers: int, keep_image_order: bool = False) -> SglangStep | None:
+              num_layers: int, keep_image_order: bool = False,
+              isolated: IsolatedServing | None = None) -> SglangStep | None:
     """Plan and prepare one extend forward: splice the stored images into the pool, pick each
-    layer's rows, list the images to save. None when nothing is to be done."""
+    layer's rows, list the images to save. None when nothing is to be done. ``isolated``: the
+    model's images attend in isolation; first-seen ones are computed in side rows."""
     mm_inputs = forward_batch.mm_inputs
     positions = forward_batch.mrope_positions
     if not mm_inputs or positions is None or positions.dim() != 2 or positions.size(0) != 3:
@@ -103,6 +111,9 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     wants_prompt_rows = [bool(forward_batch.return_logprob) and logprob_start is not None
                          and int(logprob_start[b]) < int(lens[b]) for b in range(lens.size)]
     plan = StepPlan(total, num_layers, counters=ReuseStats())
+    reqs = getattr(forward_batch, "samcache_reqs", None)  # the prompt's first token: an isolated image's sink
+    sinks = [int(r.origin_input_ids[0]) if getattr(r, "origin_input_ids", None) else None
+             for r in reqs] if reqs is not None and len(reqs) == len(mm_inputs) else [None] * len(mm_inputs)
     for b, inputs in enumerate(mm_inputs):
         if inputs is None:
             continue
@@ -111,13 +122,14 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
                   for ref in image_refs(inputs, within=(begin, end))]
         plan.add_request(images, begin=begin, end=end, base=base, namespace=namespace_of(b), store=store,
                          budget=budget, keep_image_order=keep_image_order, positions=positions, slots=slots,
-                         cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]), owner=b)
+                         cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]), owner=b,
+                         isolated=isolated, sink_token=sinks[b])
     mark_batch(forward_batch, plan.approximate)  # their KV past the exact tokens stays out of the tree
     stats, saves, skipped = plan.counters, plan.saves, plan.skipped
     stats.images_saved = len(saves)
     recompute = plan.recompute
     if not skipped.any():
-        if not saves:
+        if not saves and not stats.isolated_fallbacks:
             return None
         stats.computed_tokens = stats.prompt_tokens
         stats.steps = 1
@@ -125,9 +137,10 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
     # Each request's last row is always computed: SGLang samples from it.
     last = (starts[1:] - 1)[lens > 0]
     rows, select = layer_rows(skipped, recompute, num_layers, always=last)
-    stats.computed_tokens = int(rows[0].numel())
+    side = plan.side.build(positions.dtype) if plan.side else None
+    stats.computed_tokens = int(rows[0].numel()) + (side.size if side is not None else 0)
     stats.steps = 1
-    return SglangStep(rows=rows, select=select, saves=saves, stats=stats)
+    return SglangStep(rows=rows, select=select, saves=saves, stats=stats, side=side)
 
 
 def save_images(step: SglangStep, forward_batch: Any, cache: PoolWriter, store: Any, num_layers: int) -> None:
@@ -142,7 +155,7 @@ def save_images(step: SglangStep, forward_batch: Any, cache: PoolWriter, store: 
             keys, values = cache.read(layer, slots)
             save.k.append(keys)
             save.v.append(values)
-        saved += bool(store.put(save.key, save.image_kv(), check=(save.rows.numel(),)))
+        saved += bool(store.put(save.key, save.image_kv(), check=save.check))
     step.stats.images_saved = saved
 
 

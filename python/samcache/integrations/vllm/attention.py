@@ -4,11 +4,14 @@ Registered in place of ``CPU_ATTN``; identical to it unless the model runs a spa
 (:mod:`.sparse_context`). Then the layer's queries, keys and values are only the rows this layer
 computes: their K/V go to those rows' slots, and attention is vLLM's own CPU kernel over the
 whole paged cache with each contiguous run of rows as one causal query block
-(:class:`~.step.AttentionBatch`), built once per distinct row set and shared by the layers.
+(:class:`~.step.AttentionBatch`), built once per distinct row set and shared by the layers. An
+isolated model's side rows come after those (:mod:`samcache.integrations.isolated_rows`): their
+image rows' keys and values go to the image's slots, and they attend among themselves.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType
@@ -28,10 +31,17 @@ class SamcacheCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         sparse = self._sparse(layer)
+        captured = key, value
         if sparse is not None:
             step, index = sparse
             slot_mapping = step.slots[index]
+            if step.side is not None:  # the step's rows, then the side images' rows into their own slots
+                rows, pick = step.rows[index].numel(), step.side.image_at
+                key = torch.cat([key[:rows], key[rows:].index_select(0, pick)])
+                value = torch.cat([value[:rows], value[rows:].index_select(0, pick)])
+                slot_mapping = torch.cat([slot_mapping, step.side_slots])
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        key, value = captured
         if self.attn_type == AttentionType.DECODER:
             worker = active_worker()
             if worker is not None:  # new images' KV, as written (stored when the step ends)
@@ -59,6 +69,10 @@ class SamcacheCPUAttentionImpl(CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap, scheduler_metadata=batch.scheduler_metadata, s_aux=self.sinks,
             dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
+        if step.side is not None:  # each side row over its own side sequence
+            side = slice(rows, rows + step.side.size)
+            out = output.view(output.size(0), self.num_heads, self.head_size)
+            out[side] = step.side.attention(query[side], key[side], value[side], self.scale).to(out.dtype)
         return output
 
 

@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from samcache.integrations.vllm.metrics import WorkerMetrics
 from samcache.integrations.vllm.config import SamcacheVllmConfig, check_engine_config
 from samcache.hashing import Namespace
+from samcache.integrations.isolated_rows import IsolatedServing
 from samcache.integrations.store_policy import StorePolicy
 from samcache.integrations.vllm.identity import model_id
 from samcache.integrations.vllm.step import (ForwardStep, ImageRef, RequestStep, Rotary, layer_index,
@@ -88,6 +89,7 @@ class _Tracked:
     block_ids: list[int]
     tenant: str
     agent: str | None = None
+    sink_token: int | None = None  # the prompt's first token
 
 
 class SamcacheConnector(KVConnectorBase_V1):
@@ -97,6 +99,14 @@ class SamcacheConnector(KVConnectorBase_V1):
         check_engine_config(vllm_config)
         self.model_id = model_id(vllm_config)
         self._model_path = str(vllm_config.model_config.model)  # where its reuse profile is
+        self._frame_token = getattr(vllm_config.model_config.hf_config, "vision_start_token_id", None)
+        isolated = self.config.isolated_serving(self._model_path, self.config.reuse_profile(self._model_path, None),
+                                                self._frame_token)
+        scheduler = vllm_config.scheduler_config
+        if isolated is not None and scheduler.enable_chunked_prefill and not scheduler.disable_chunked_mm_input:
+            raise ValueError(f"samcache: {self._model_path} declares image attention {isolated.attention.name}: an "
+                             "image split by a chunk boundary cannot be computed alone; serve it with "
+                             "disable_chunked_mm_input=True (--disable-chunked-mm-input) or without chunked prefill")
         if role == KVConnectorRole.SCHEDULER:
             self._tracked: dict[str, _Tracked] = {}
             self._tenants: dict[str, str] = {}
@@ -105,7 +115,7 @@ class SamcacheConnector(KVConnectorBase_V1):
             self._block_size = int(vllm_config.cache_config.block_size)
             self._approximate: dict[str, int] = {}  # live requests with approximate KV -> exact tokens
             self._finished_blocks: dict[str, list[int]] = {}  # finished since the last schedule()
-            if vllm_config.scheduler_config.enable_chunked_prefill:
+            if scheduler.enable_chunked_prefill and not scheduler.disable_chunked_mm_input:
                 logger.info("samcache: chunked prefill is on; an image split by a chunk boundary is computed as "
                             "vLLM computes it (not reused, not saved)")
             return
@@ -117,6 +127,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._rotary: Rotary | None = None
         self._budget: RecomputeBudget | None = None
         self._keep_order = False
+        self._isolated: IsolatedServing | None = None
         self._step: ForwardStep | None = None
         self._reported: dict[str, int] = {}  # approximate requests not yet reported to the scheduler
         logger.info("samcache: vLLM plugin on (recompute %s, store %.1f MiB)",
@@ -169,7 +180,8 @@ class SamcacheConnector(KVConnectorBase_V1):
             if tenant is None:  # never admitted through this connector: plan nothing for it
                 images = ()
             tracked = _Tracked(len(new.prompt_token_ids or ()), images, list(new.block_ids[0]), tenant or "",
-                               self._agents.get(new.req_id))
+                               self._agents.get(new.req_id),
+                               int(new.prompt_token_ids[0]) if new.prompt_token_ids else None)
             self._tracked[new.req_id] = tracked
             before = len(steps)
             self._add_step(steps, new.req_id, tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0))
@@ -198,7 +210,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         ends_here = any(start < i.offset + i.length for i in images)
         if ends_here and start + num <= tracked.prompt_len:  # prompt tokens only (no decode in the range)
             steps.append(RequestStep(req_id, start, num, tuple(tracked.block_ids), images, tracked.tenant,
-                                     tracked.agent))
+                                     tracked.agent, tracked.sink_token))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -239,8 +251,14 @@ class SamcacheConnector(KVConnectorBase_V1):
         self._num_layers = len(ordered)
         self.metrics.set_gauges(num_layers=self._num_layers)
         profile = self.config.reuse_profile(self._model_path, self._num_layers)
-        self._budget = self.config.budget(self._num_layers, profile)
-        self._keep_order = self.config.keeps_image_order(self._num_layers, profile)
+        self._isolated = self.config.isolated_serving(self._model_path, profile, self._frame_token)
+        if self._isolated is not None:  # exact at any index: nothing recomputed, the order kept only if asked
+            self._budget, self._keep_order = None, self.config.keep_image_order is True
+            logger.info("samcache: image attention %s: first-seen images computed alone, reused ones exact at any "
+                        "index", self._isolated.attention.name)
+        else:
+            self._budget = self.config.budget(self._num_layers, profile)
+            self._keep_order = self.config.keeps_image_order(self._num_layers, profile)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # the KV is written when the forward starts: it needs the step's M-RoPE positions
@@ -281,8 +299,14 @@ class SamcacheConnector(KVConnectorBase_V1):
         first_layer = next(name for name, index in self._layer_of.items() if index == 0)
         self._step = plan_forward(planned, attn_metadata=attn.get(first_layer), positions=positions,
                                   cache=self._cache, rotary=self._rotary, store=self.store, model_id=self.model_id,
-                                  budget=self._budget, num_layers=self._num_layers, keep_image_order=self._keep_order)
+                                  budget=self._budget, num_layers=self._num_layers, keep_image_order=self._keep_order,
+                                  isolated=self._isolated)
         if self._step is not None:
+            if self._step.stats.get("isolated_fallbacks"):
+                logger.warning("samcache: %d image(s) of this isolated model could not be computed alone (their "
+                               "first tokens came from vLLM's prefix cache and the image-KV store no longer holds "
+                               "them): computed in context, kept out of the prefix cache",
+                               self._step.stats["isolated_fallbacks"])
             for req_id, exact in self._step.approximate.items():
                 self._reported[req_id] = min(exact, self._reported.get(req_id, exact))
         return self._step
@@ -310,8 +334,7 @@ class SamcacheConnector(KVConnectorBase_V1):
         before = self.store.stats.evictions
         for save in step.saves:
             if len(save.k) == self._num_layers:
-                self.store.put(save.key, save.image_kv(),
-                               check=(save.rows.numel(),))
+                self.store.put(save.key, save.image_kv(), check=save.check)
         self.metrics.update(steps=1, **step.stats, store_evictions=self.store.stats.evictions - before)
         self.metrics.set_gauges(store_bytes=self.store.index.used_bytes)
         if self.config.metrics_path:

@@ -2,7 +2,8 @@
 
 Without a samcache step (the plugin off, a decode-only step, nothing reused) ``forward`` is
 vLLM's own. With one, the decoder layers run on the rows each layer computes
-(:class:`~.step.ForwardStep`): new tokens plus that layer's recompute rows. The hidden states of
+(:class:`~.step.ForwardStep`): new tokens plus that layer's recompute rows, and the side rows
+computing an isolated model's first-seen images (:mod:`samcache.integrations.isolated_rows`). The hidden states of
 skipped rows are never read: vLLM samples only each request's last scheduled token, which the
 plan always computes. The processor names images by samcache content keys (:mod:`.identity`);
 with the plugin on, the vision tower's long attention runs on samcache's kernel (:mod:`.vision`).
@@ -25,20 +26,30 @@ from samcache.integrations.vllm.vision import use_samcache_vision_attention
 
 def run_rows(language_model: torch.nn.Module, step: ForwardStep, positions: torch.Tensor,
              inputs_embeds: torch.Tensor) -> torch.Tensor:
-    """vLLM's Qwen2Model forward over ``step``'s rows; skipped rows of the result are zero."""
-    rows = step.rows
+    """vLLM's Qwen2Model forward over ``step``'s rows, its side rows after them at every layer (an
+    isolated model's first-seen images); skipped rows of the result are zero."""
+    rows, side = step.rows, step.side
     hidden = inputs_embeds.index_select(0, rows[0])
     pos = positions.index_select(1, rows[0])
+    if side is not None:
+        hidden = torch.cat([hidden, side.embeddings(inputs_embeds, language_model.embed_input_ids)])
+        side_pos = side.positions.to(pos.device)
+        pos = torch.cat([pos, side_pos], dim=1)
     residual = None
     for layer_index, layer in enumerate(language_model.layers):
         select = step.select[layer_index]
         if select is not None:  # this layer computes fewer rows than the one before
+            if side is not None:  # the side rows stay, after the step's
+                before = rows[layer_index - 1].numel()
+                select = torch.cat([select, torch.arange(before, before + side.size)])
             hidden, residual = hidden.index_select(0, select), residual.index_select(0, select)
             pos = positions.index_select(1, rows[layer_index])
+            if side is not None:
+                pos = torch.cat([pos, side_pos], dim=1)
         hidden, residual = layer(pos, hidden, residual)
     hidden, _ = language_model.norm(hidden, residual)
     out = hidden.new_zeros((inputs_embeds.size(0), hidden.size(-1)))
-    out.index_copy_(0, rows[-1], hidden)
+    out.index_copy_(0, rows[-1], hidden[:rows[-1].numel()])
     return out
 
 

@@ -36,6 +36,7 @@ import torch
 from samcache.hashing import Namespace
 from samcache.integrations.forward_plan import (ImageKV, KVWriter, PendingSave, RequestImage, Rotary, StepPlan,
                                                 layer_rows)
+from samcache.integrations.isolated_rows import IsolatedServing, SideRows
 from samcache.integrations.vllm.identity import content_of
 from samcache.reuse import RecomputeBudget
 
@@ -62,8 +63,9 @@ class ImageRef:
 class RequestStep:
     """What the scheduler scheduled for one request this step: prompt tokens ``[start, start +
     num_tokens)``, the request's blocks, its images up to the range's end (all of them, in prompt
-    order: an image's place among them is its index), its tenant and the agent
-    it names (``kv_transfer_params["samcache_agent"]``; for the store's eviction policy)."""
+    order: an image's place among them is its index), its tenant, the agent
+    it names (``kv_transfer_params["samcache_agent"]``; for the store's eviction policy) and its
+    prompt's first token."""
 
     req_id: str
     start: int
@@ -72,6 +74,7 @@ class RequestStep:
     images: tuple[ImageRef, ...]
     tenant: str
     agent: str | None = None
+    sink_token: int | None = None  # the prompt's first token (an isolated model's images attend to it)
 
     def slot(self, position: int, block_size: int) -> int:
         return self.block_ids[position // block_size] * block_size + position % block_size
@@ -91,7 +94,9 @@ class AttentionBatch:
 @dataclass
 class ForwardStep:
     """The executed plan of one forward pass. ``rows[l]``: flattened rows layer ``l`` computes
-    (None: every row, vLLM's own path); ``select[l]``: their positions among ``rows[l - 1]``."""
+    (None: every row, vLLM's own path); ``select[l]``: their positions among ``rows[l - 1]``;
+    ``side``: an isolated model's first-seen images, computed in rows after those at every layer
+    (their image rows' keys and values go to ``side_slots``)."""
 
     rows: list[torch.Tensor] | None
     select: list[torch.Tensor | None]
@@ -103,6 +108,8 @@ class ForwardStep:
     _batches: dict[int, AttentionBatch] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
     approximate: dict[str, int] = field(default_factory=dict)  # request id -> its exact leading tokens
+    side: SideRows | None = None
+    side_slots: torch.Tensor | None = None
 
     @property
     def sparse(self) -> bool:
@@ -159,11 +166,13 @@ def plan_forward(
     budget: RecomputeBudget | None,
     num_layers: int,
     keep_image_order: bool = False,
+    isolated: IsolatedServing | None = None,
 ) -> ForwardStep | None:
     """Plan and prepare one forward pass: splice the stored images (writing their KV into the
     cache), pick each layer's rows, list the images to save. None when nothing is to be done.
     ``keep_image_order``: an image's KV is keyed by its content and its index among the request's
-    images (reused only where it keeps its place)."""
+    images (reused only where it keeps its place). ``isolated``: the model's images attend in
+    isolation; first-seen ones are computed in side rows."""
     if attn_metadata is None or getattr(attn_metadata, "dynamic_causal", None) is not None:
         return None
     qsl = attn_metadata.query_start_loc.numpy().astype(np.int64)
@@ -187,7 +196,7 @@ def plan_forward(
         plan.add_request(request_images(step), begin=step.start, end=step.start + step.num_tokens, base=base,
                          namespace=Namespace(model_id, step.tenant), store=store, budget=budget,
                          keep_image_order=keep_image_order, positions=positions, slots=slot_mapping, cache=cache,
-                         rotary=rotary, owner=step.req_id)
+                         rotary=rotary, owner=step.req_id, isolated=isolated, sink_token=step.sink_token)
     saves, skipped, recompute = plan.saves, plan.skipped, plan.recompute
     stats = plan.counters.counters()
     del stats["steps"]  # counted by the connector
@@ -196,7 +205,7 @@ def plan_forward(
     common = dict(saves=saves, query_start_loc=qsl, seq_lens=seq,
                   block_table=attn_metadata.block_table, stats=stats, approximate=plan.approximate)
     if not skipped.any():
-        if not saves:
+        if not saves and not plan.approximate:
             return None
         stats["computed_tokens"] = stats["prompt_tokens"]
         return ForwardStep(rows=None, select=[], slots=[], **common)
@@ -205,6 +214,10 @@ def plan_forward(
     for layer in range(num_layers):
         slot_rows.append(slot_mapping[rows[layer]] if select[layer] is not None or not layer else slot_rows[-1])
     stats["computed_tokens"] = stats["prompt_tokens"] - int(skipped.sum()) + stats["recomputed_tokens"]
+    side = plan.side.build(positions.dtype) if plan.side else None
+    if side is not None:
+        stats["computed_tokens"] += side.size
+        common.update(side=side, side_slots=slot_mapping[side.image_rows.to(slot_mapping.device)])
     return ForwardStep(rows=rows, select=select, slots=slot_rows, **common)
 
 
