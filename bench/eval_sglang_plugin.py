@@ -21,6 +21,11 @@ Two parts, in two environments:
    the engine's, ``keep_image_order=False``): the greedy reply (decoded on SGLang's decode path
    up to the turn's budget or an end token), and the plugin's counters.
 
+For a checkpoint that declares isolated image attention (``visual-qa-isolated``) the plugin
+serves it as such (its reuse profile): first-seen images computed alone in side rows, known ones
+reused exactly at any index; SGLang's own path computes the images in context, which is not that
+model's attention, so only the plugin's agreement means anything there.
+
 Reported (``<out>/results.json``): how often SGLang's own path gives the engine's full-prefill
 reply and the plugin gives the engine's reply at the same settings (first token, whole reply),
 each side's task accuracy, the image tokens each reused and the (token, layer) pairs each
@@ -116,13 +121,20 @@ def sglang_tokens(data: dict, threads: int) -> list[dict]:
     from samcache.integrations.sglang.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Override
     from samcache.integrations.sglang.reuse import ModelReuse, reset_stats, stats
     from samcache.cache.stores import TensorStore
+    import types
 
     torch.set_num_threads(threads)
     H.setup_sglang()  # on a free rendezvous port: the plugin tests may run beside it
     path = pathlib.Path(data["model"])
     stock, plugin = _load_checkpoint(Stock, path), _load_checkpoint(Override, path)
+    # An isolated checkpoint is served as such through its reuse profile (the harness's server names
+    # no model folder): first-seen images computed alone, known ones exact at any index.
+    from samcache.profile.image_attention import declared
+    from samcache.profile.reuse_profile import PROFILE_FILE
+
+    isolated = declared(path).isolated
     settings = ReuseSettings(recompute_ratio=data["recompute"], recompute_method=data["method"],
-                             keep_image_order=False)
+                             keep_image_order=False, profile=str(path / PROFILE_FILE) if isolated else None)
     longest = max(len(t["token_ids"]) + t["max_new_tokens"] for t in data["turns"])
     eos = set(data["eos_token_ids"])
     page = data["page_size"]
@@ -170,11 +182,21 @@ def sglang_tokens(data: dict, threads: int) -> list[dict]:
                     pools[name].copy_prefix(source.row, req.row, hit)
                     req.kv_len = hit
                 reset_stats()
-                result = H.run_batch(model, pools[name], [req.extend()], capture_full_hidden=False)
+
+                def record_request(fb, ids=ids):  # the plugin's batch hook: the prompt's first token (a sink)
+                    fb.samcache_reqs = [types.SimpleNamespace(origin_input_ids=list(ids))]
+                    return fb
+
+                result = H.run_batch(model, pools[name], [req.extend()], capture_full_hidden=False,
+                                     after_init=record_request)
                 if name == "plugin":
                     s = stats()
                     row["sglang_plugin_reused"] = s.image_reused_tokens
                     row["sglang_plugin_recomputed"] = s.recomputed_token_layers
+                    row["sglang_plugin_isolated"] = s.isolated_images
+                    if s.isolated_fallbacks:
+                        raise RuntimeError(f"trace {record['trace']} turn {record['turn']}: {s.isolated_fallbacks} "
+                                           "image(s) of the isolated model could not be computed alone")
                 # Greedy decode as the engine's chat does: up to the turn's budget or an end token.
                 reply = [int(result.next_token_logits[0].argmax())]
                 while len(reply) < record["max_new_tokens"] and reply[-1] not in eos:
@@ -230,6 +252,7 @@ def summarize(data: dict, rows: list[dict]) -> dict:
         "image_reused_tokens": {"engine": total("engine_reuse_reused"), "plugin": total("sglang_plugin_reused")},
         "recomputed_token_layers": {"engine": total("engine_reuse_recomputed"),
                                     "plugin": total("sglang_plugin_recomputed")},
+        "images_computed_alone_by_the_plugin": total("sglang_plugin_isolated"),
         "turns": turns,
     }
 

@@ -323,6 +323,47 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_blocks(server):
     assert server.healthy()
 
 
+def test_sessions_hold_a_conversation_and_fork_it_for_a_sub_agent(server):
+    """extra_body session / fork_of / end_session: replies equal the same requests without a
+    session, a later turn reuses the held prefix, a request that does not continue its session is
+    refused, and closed sessions leave no block held."""
+    client = server.client()
+    trace = traces(1)[0]
+    ask = lambda messages, **extra: client.chat.completions.create(  # noqa: E731
+        model=NAME, messages=messages, max_tokens=12, temperature=0, extra_body=extra or None)
+    m1 = openai_messages(trace[0].messages)
+    r1 = ask(m1, session="planner").choices[0].message.content
+    assert r1 == ask(m1).choices[0].message.content
+    m2 = m1 + [{"role": "assistant", "content": r1}, openai_messages(trace[1].messages)[-1]]
+    second = ask(m2, session="planner")
+    assert second.choices[0].message.content == ask(m2).choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # the held history's KV
+    m3 = m2 + [{"role": "assistant", "content": second.choices[0].message.content},
+               openai_messages(trace[2].messages)[-1]]
+    forked = ask(m3, session="worker", fork_of="planner")
+    assert forked.choices[0].message.content == ask(m3).choices[0].message.content
+    refused = [
+        (openai.BadRequestError, "is not what session 'planner' holds",
+         lambda: ask(m1 + [{"role": "assistant", "content": r1 + "!"}, m2[-1]], session="planner")),
+        (openai.BadRequestError, "holds 5 messages", lambda: ask(m1, session="planner")),
+        (openai.NotFoundError, "no open session 'nobody' to fork", lambda: ask(m3, session="w2", fork_of="nobody")),
+        (openai.NotFoundError, "no open session 'planner' to fork",  # another tenant's sessions are not found
+         lambda: ask(m3, session="w3", fork_of="planner", tenant="other-tenant")),
+        (openai.ConflictError, "session 'worker' exists already", lambda: ask(m3, session="worker", fork_of="planner")),
+        (openai.BadRequestError, "fork_of names the session to fork", lambda: ask(m3, fork_of="planner")),
+    ]
+    for error, message, call in refused:
+        with pytest.raises(error, match=message):
+            call()
+        assert server.healthy()
+    m4 = m3 + [{"role": "assistant", "content": forked.choices[0].message.content}, m2[-1]]
+    ask(m4, session="worker", end_session=True)
+    ask(m3, session="planner", end_session=True)
+    with pytest.raises(openai.NotFoundError, match="no open session 'planner'"):
+        ask(m3, session="again", fork_of="planner")
+    assert_no_request_holds_blocks(server)  # the held sessions' blocks are back
+
+
 def test_a_full_pool_answers_503_and_sigterm_lets_in_flight_requests_finish():
     # A pool of 48 blocks of 16 tokens (98,304 bytes each on the shipped model): while a request of
     # about 400 prompt tokens (25 blocks) runs, another of the same size does not fit beside it

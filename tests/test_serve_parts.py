@@ -204,3 +204,86 @@ def test_a_decode_cache_of_a_bad_size_is_refused(bad):
 
     with pytest.raises(ValueError, match="max_bytes"):
         DecodedImages(bad)
+
+
+# ---- sessions --------------------------------------------------------------------------------------
+class _Held:
+    def __init__(self, name=None):
+        self.messages, self.abandoned, self.name = [], False, name
+
+
+class _Engine:
+    """What ServerSessions asks of the engine: held sessions, forks, abandoning."""
+
+    def __init__(self):
+        self.abandoned = []
+
+    def new_session(self, *, tenant=None, hold_context=False):
+        assert hold_context
+        return _Held()
+
+    def fork_session(self, session, name=None):
+        return _Held(name)
+
+    def abandon_session(self, session):
+        session.abandoned = True
+        self.abandoned.append(session)
+
+
+def _messages(*texts):
+    from samcache.serve.requests import Message
+
+    roles = ["user", "assistant"]
+    return [Message(role=roles[i % 2], content=t) for i, t in enumerate(texts)]
+
+
+def test_message_digests_name_role_text_and_images():
+    from samcache.serve.requests import Message
+    from samcache.serve.sessions import message_digest
+
+    plain = Message(role="assistant", content="click save")
+    parts = Message(role="assistant", content=[{"type": "text", "text": "click "}, {"type": "text", "text": "save"}])
+    assert message_digest(plain) == message_digest(parts) == message_digest("click save")  # a reply as sent back
+    assert message_digest(Message(role="user", content="click save")) != message_digest(plain)
+    a = Message(role="user", content=[{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    b = Message(role="user", content=[{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAB"}}])
+    assert message_digest(a) != message_digest(b)
+
+
+def test_sessions_continue_fork_refuse_and_make_room():
+    from samcache.serve.sessions import ServerSessions
+
+    engine = _Engine()
+    sessions = ServerSessions(engine, max_sessions=2)
+    first = sessions.begin("a", _messages("hi"), tenant=None)
+    assert first.new and first.messages_from == 0
+    with pytest.raises(ApiError, match="answering another request") as busy:
+        sessions.begin("a", _messages("hi", "hello", "next"), tenant=None)
+    assert busy.value.status == 409
+    sessions.finish(first, _messages("hi"), "hello", end=False)
+    turn = sessions.begin("a", _messages("hi", "hello", "next"), tenant=None)
+    assert not turn.new and turn.messages_from == 2
+    sessions.finish(turn, _messages("hi", "hello", "next"), "done", end=False)
+    with pytest.raises(ApiError, match=r"messages\[1\] is not what session 'a' holds") as wrong:
+        sessions.begin("a", _messages("hi", "HELLO", "next", "done", "more"), tenant=None)
+    assert wrong.value.status == 400
+    with pytest.raises(ApiError, match="ends with the user message"):
+        sessions.begin("a", _messages("hi", "hello"), tenant=None)
+    fork = sessions.begin("b", _messages("hi", "hello", "next", "done", "sub"), tenant=None, fork_of="a")
+    assert fork.messages_from == 4 and fork.open.session.name == "b"
+    with pytest.raises(ApiError, match="no open session 'a' to fork") as other:
+        sessions.begin("c", _messages("hi"), tenant="t2", fork_of="a")  # another tenant's
+    assert other.value.status == 404
+    # Full (2 open, b busy): a new one closes the least recently used idle one, a.
+    sessions.begin("d", _messages("x"), tenant=None)
+    assert len(sessions) == 2 and engine.abandoned and engine.abandoned[0].messages == []
+    with pytest.raises(ApiError, match="all 2 sessions are answering requests") as full:
+        sessions.begin("e", _messages("y"), tenant=None)
+    assert full.value.status == 503
+    sessions.finish(fork, _messages("hi", "hello", "next", "done", "sub"), None, end=False)  # failed: kept as it was
+    sessions.finish(fork, _messages("hi"), "r", end=True)
+    assert len(sessions) == 1
+    sessions.close_all()
+    assert len(sessions) == 0
+    with pytest.raises(ValueError, match="max_sessions"):
+        ServerSessions(engine, max_sessions=0)

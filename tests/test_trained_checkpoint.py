@@ -31,6 +31,22 @@ def test_ship_writes_float16_weights_with_checksums(trained_run, tmp_path):
     model_class("qwen2_5_vl").from_pretrained(dest)  # loads as a Hugging Face checkpoint
 
 
+def test_the_shipped_record_holds_every_stage_it_was_fine_tuned_through(trained_run, tmp_path):
+    """A run continued from other runs ships their records too (oldest first); the chain stops at
+    a shipped checkpoint, which carries its own."""
+    first = tmp_path / "first"
+    first.mkdir()
+    shipped_parent = str(checkpoint.SHIPPED)
+    (first / "training.json").write_text(json.dumps({"config": {"steps": 1200, "init_from": shipped_parent},
+                                                     "curve": [{"step": 1200}]}))
+    (trained_run / "training.json").write_text(json.dumps({"config": {"size": [84, 84], "init_from": str(first)},
+                                                           "curve": [{"step": 600}]}))
+    record = json.loads((checkpoint.ship(trained_run, tmp_path / "shipped") / "training.json").read_text())
+    assert record["curve"] == [{"step": 600}] and record["config"]["size"] == [84, 84]
+    assert [s["config"]["steps"] for s in record["previous_stages"]] == [1200]
+    assert checkpoint.training_record(first) == json.loads((first / "training.json").read_text())  # no earlier run
+
+
 def test_damaged_or_incomplete_checkpoints_are_refused(trained_run, tmp_path):
     dest = checkpoint.ship(trained_run, tmp_path / "shipped")
     weights = dest / "model.safetensors"

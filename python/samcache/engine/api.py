@@ -522,7 +522,8 @@ class SAMcacheEngine:
         """One turn. Either ``images`` + ``prompt`` (a user message; appended to ``session`` if
         given) or the whole ``messages`` list (``{"role", "content"}`` dicts; content is a string
         or a list of ``{"type": "text", "text"}`` / ``{"type": "image", "image"}`` parts, images as
-        paths, PIL images or uint8 arrays).
+        paths, PIL images or uint8 arrays); with a ``session``, ``messages`` are the turn's new
+        messages, appended to the session's.
 
         ``fidelity=True`` also runs a full prefill of the same prompt and reports the next-token
         KL, top-1 agreement and the agreement of ``fidelity_tokens`` greedy tokens
@@ -699,11 +700,17 @@ class SAMcacheEngine:
         return PreparedChat(req, history, self.build_prompt(history))
 
     def _history(self, req: ChatRequest) -> list[dict]:
-        """The messages ``req`` sends: its own, or its session's and the new turn."""
+        """The messages ``req`` sends: its own, or its session's and the new turn (``messages``
+        with a session: the turn's messages, appended to the session's)."""
+        if req.session is not None and req.session.abandoned:
+            raise ValueError("this session was abandoned (engine.abandon_session); fork another one to go on")
         if req.messages is not None:
-            if req.images is not None or req.prompt is not None or req.session is not None:
-                raise ValueError("pass either messages=... or images/prompt (with an optional session), not both")
-            history = req.messages  # checked by build_prompt; no session to extend
+            if req.images is not None or req.prompt is not None:
+                raise ValueError("pass either messages=... or images/prompt, not both")
+            if isinstance(req.messages, (str, bytes)) or not isinstance(req.messages, Sequence):
+                raise TypeError(f"messages must be a list of chat messages, got {type(req.messages).__name__}")
+            # checked by build_prompt
+            history = (list(req.session.messages) if req.session is not None else []) + list(req.messages)
         else:
             images, prompt = req.images, req.prompt
             if isinstance(images, (str, os.PathLike, bytes)) or not isinstance(images, (Sequence, type(None))):
@@ -713,8 +720,6 @@ class SAMcacheEngine:
             prompt = "" if prompt is None else prompt  # an image-only turn
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-            if req.session is not None and req.session.abandoned:
-                raise ValueError("this session was abandoned (engine.abandon_session); fork another one to go on")
             history = (list(req.session.messages) if req.session is not None else []) + [user_message(list(images or []), prompt)]
         return list(history)
 

@@ -29,6 +29,7 @@ from samcache.serve.errors import ApiError
 from samcache.serve.metrics import ServerMetrics
 from samcache.serve.reply_text import ReplyText
 from samcache.serve.requests import ChatCompletionRequest, MediaLimits, chat_request
+from samcache.serve.sessions import ServerSessions
 
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -43,13 +44,15 @@ class ClientGone(Exception):
 class ServeSettings:
     """``served_model_name``: the name requests must give; ``max_model_len``: prompt and reply
     tokens together; ``api_key``: required as a bearer token on /v1 (None: open);
-    ``shutdown_timeout_s``: how long in-flight requests may finish on shutdown."""
+    ``shutdown_timeout_s``: how long in-flight requests may finish on shutdown; ``max_sessions``:
+    open sessions at most (:mod:`samcache.serve.sessions`)."""
 
     served_model_name: str
     max_model_len: int
     api_key: str | None = None
     limits: MediaLimits = field(default_factory=MediaLimits)
     shutdown_timeout_s: float = 30.0
+    max_sessions: int = 256
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -80,6 +83,7 @@ def usage(result) -> dict:
 def create_app(engine, settings: ServeSettings) -> FastAPI:
     """The server's app over ``engine``; its lifespan starts and stops the engine's online loop."""
     state: dict = {}
+    sessions = ServerSessions(engine, settings.max_sessions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,6 +93,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         # In-flight requests finish (or are cancelled past the timeout); the tiers are flushed.
         loop = state["loop"]
         await asyncio.to_thread(loop.stop, settings.shutdown_timeout_s)
+        await asyncio.to_thread(sessions.close_all)
         print(f"samcache serve: stopped after {loop.steps} steps" + (f" ({loop.error!r})" if loop.error else "")
               + "; nothing in flight, the tiers flushed", flush=True)
 
@@ -156,10 +161,18 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         fill = body.max_tokens is None and body.max_completion_tokens is None
-        request = await asyncio.to_thread(chat_request, body, settings.limits)
+        if body.fork_of is not None and body.session is None:
+            raise ApiError(400, "fork_of names the session to fork; give the new one's name as session", "fork_of")
+        turn = None
+        if body.session is not None:
+            turn = await asyncio.to_thread(sessions.begin, body.session, body.messages, tenant=body.tenant,
+                                           fork_of=body.fork_of)
         try:  # images decoded and hashed, text tokenized: off the event loop and the step loop's thread
+            request = await asyncio.to_thread(chat_request, body, settings.limits, turn)
             request = await asyncio.to_thread(engine.prepare, request)
         except Exception as e:  # noqa: BLE001 - this request's bad input, as an HTTP error
+            if turn is not None:
+                await asyncio.to_thread(sessions.finish, turn, body.messages, None, False)
             state["metrics"].failed(str(engine_error(e).status))
             raise engine_error(e) from None
         text = ReplyText(engine.tokenizer, body.stop or ())
@@ -181,7 +194,16 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         try:
             handle = state["loop"].submit(request, on_token if follow else None, fill=fill)
         except LoopStopped as e:
+            if turn is not None:
+                await asyncio.to_thread(sessions.finish, turn, body.messages, None, False)
             raise engine_error(e) from None
+        if turn is not None:
+            def record(future) -> None:  # the loop's thread, as the request ends: the session's history
+                ok = not future.cancelled() and future.exception() is None
+                reply = (text.text if text.stopped else future.result().text) if ok else None
+                sessions.finish(turn, body.messages, reply, body.end_session)
+
+            handle.future.add_done_callback(record)
         handle.future.add_done_callback(lambda _: aloop.call_soon_threadsafe(pieces.put_nowait, None))
         if not streaming:
             try:

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
     p.add_argument("--image-decode-cache-bytes", type=_size, default=256 << 20,
                    help="decoded images kept by their data URL's content (agents re-send screenshots; default 256MiB, 0: off)")
+    p.add_argument("--max-sessions", type=int, default=256,
+                   help="open sessions at most (extra_body session / fork_of); the least recently used idle one "
+                        "is closed to make room")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -73,8 +76,10 @@ def build(args):
     for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels", "image_decode_cache_bytes"):
         if getattr(args, name) < (0 if name == "image_decode_cache_bytes" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'image_decode_cache_bytes' else 1}")
+    if args.max_sessions < 1:
+        raise ValueError("--max-sessions must be >= 1")
     settings = ServeSettings(served_model_name=args.served_model_name or args.model, max_model_len=max_len,
-                             api_key=args.api_key,
+                             api_key=args.api_key, max_sessions=args.max_sessions,
                              limits=MediaLimits(args.max_images_per_request, args.max_image_bytes,
                                                 args.max_image_pixels, tuple(dirs),
                                                 DecodedImages(args.image_decode_cache_bytes)))

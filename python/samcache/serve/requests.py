@@ -5,7 +5,8 @@ Fields OpenAI defines and samcache does not serve (``n`` > 1, ``logprobs``, ``to
 refused with a 400 naming them rather than ignored; fields nobody defines are ignored, as vLLM does.
 samcache's own fields come through the client's ``extra_body``, every one optional: ``tenant``
 (the cache scope: requests of one tenant never see another's cached KV), ``agent`` (the agent of a
-multi-agent workflow, for the workflow-aware eviction policies) and ``ignore_eos``.
+multi-agent workflow, for the workflow-aware eviction policies), ``ignore_eos``, and the session
+fields ``session``, ``fork_of`` and ``end_session`` (:mod:`samcache.serve.sessions`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class ChatCompletionRequest(BaseModel):
     tenant: str | None = Field(default=None, min_length=1)
     agent: str | None = Field(default=None, min_length=1)
     ignore_eos: bool = False
+    session: str | None = Field(default=None, min_length=1, max_length=256)
+    fork_of: str | None = Field(default=None, min_length=1, max_length=256)
+    end_session: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -134,14 +138,19 @@ def engine_messages(messages: Sequence[Message], limits: MediaLimits) -> list[di
     return out
 
 
-def chat_request(body: ChatCompletionRequest, limits: MediaLimits) -> ChatRequest:
+def chat_request(body: ChatCompletionRequest, limits: MediaLimits, turn=None) -> ChatRequest:
     """The engine's request for ``body`` (its images decoded). Without ``max_tokens`` its
-    ``max_new_tokens`` is a placeholder: the caller submits it to fill up to max_model_len."""
+    ``max_new_tokens`` is a placeholder: the caller submits it to fill up to max_model_len.
+    ``turn``: its :class:`~samcache.serve.sessions.SessionTurn` (the messages past the session's
+    history go to the engine's held session)."""
     refused = body.unsupported()
     if refused:
         raise ApiError(400, f"samcache serve does not support {', '.join(refused)}", refused[0])
     max_tokens = body.max_completion_tokens or body.max_tokens or 1
-    return ChatRequest(messages=engine_messages(body.messages, limits), max_new_tokens=max_tokens,
+    messages, session = body.messages, None
+    if turn is not None:
+        messages, session = messages[turn.messages_from:], turn.open.session
+    return ChatRequest(messages=engine_messages(messages, limits), session=session, max_new_tokens=max_tokens,
                        temperature=body.temperature, top_p=body.top_p, seed=body.seed, tenant=body.tenant,
                        agent=body.agent, ignore_eos=body.ignore_eos)
 

@@ -82,10 +82,30 @@ def isolated_model() -> pathlib.Path:
     return verify(SHIPPED_ISOLATED)
 
 
+def training_record(run) -> dict:
+    """A training run's ``training.json``, with the runs it was fine-tuned from (``init_from``,
+    followed while it names a training run rather than a shipped checkpoint, which carries its
+    own record) as ``previous_stages``, oldest first: the whole recipe of what is shipped."""
+    record = json.loads((pathlib.Path(run) / "training.json").read_text())
+    stages, seen = [], {pathlib.Path(run).resolve()}
+    parent = record.get("config", {}).get("init_from")
+    while parent:
+        folder = pathlib.Path(parent).resolve()
+        if folder in seen or folder.parent == SHIPPED.parent.resolve() or not (folder / "training.json").is_file():
+            break
+        seen.add(folder)
+        stage = json.loads((folder / "training.json").read_text())
+        stages.insert(0, {k: v for k, v in stage.items() if k != "previous_stages"})
+        parent = stage.get("config", {}).get("init_from")
+    if stages:
+        record["previous_stages"] = stages
+    return record
+
+
 def ship(trained, dest=SHIPPED) -> pathlib.Path:
     """Turn a training run's folder (float32, from :func:`samcache.tasks.training.train`) into a
-    shipped checkpoint in ``dest``: weights in float16, the config saying so, every file
-    checksummed."""
+    shipped checkpoint in ``dest``: weights in float16, the config saying so, the training record
+    with the runs it continued (:func:`training_record`), every file checksummed."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -104,8 +124,9 @@ def ship(trained, dest=SHIPPED) -> pathlib.Path:
                 section[key] = "float16"
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in FILES:
-        if name not in ("model.safetensors", "config.json"):
+        if name not in ("model.safetensors", "config.json", "training.json"):
             shutil.copyfile(src / name, dest / name)
+    (dest / "training.json").write_text(json.dumps(training_record(src), indent=2) + "\n")
     names = list(FILES)
     from samcache.profile.image_attention import declared
 
@@ -119,4 +140,4 @@ def ship(trained, dest=SHIPPED) -> pathlib.Path:
 
 
 __all__ = ["CHECKSUMS", "FILES", "SHIPPED", "SHIPPED_ISOLATED", "CheckpointError", "isolated_model", "read_checksums",
-           "ship", "trained_model", "verify"]
+           "ship", "trained_model", "training_record", "verify"]
