@@ -163,3 +163,36 @@ def test_the_top_layers_variant_is_not_served_by_the_plugins():
     with pytest.raises(ValueError, match="needs its prompt's first token"):
         SERVING.prefix(None)
     assert np.array_equal(SERVING.prefix(3), [3, FRAME])
+
+
+def test_a_same_step_prefix_hit_takes_the_rest_of_the_image_from_the_other_requests_side_rows():
+    """Two requests in one step, the second's prefix hit (8 tokens) covering the first 3 tokens of
+    an image the first computes alone: the second's 3 remaining image rows are skipped and written
+    from the first's side rows; at other positions they would fall back."""
+    from samcache.integrations.forward_plan import RequestImage, StepPlan
+    from samcache.integrations.vllm.identity import content_of
+
+    def run(shift):
+        plan = StepPlan(18 + 10, L)
+        ns, image = Namespace(MODEL, "t"), content_of(content_identifier("img0"))
+        pos_a = torch.arange(0, 18).repeat(3, 1)
+        pos_a[:, 5:11] = image_positions(5, (1, 6))
+        pos_b = pos_a[:, 8:].clone() + shift  # the second request: tokens [8, 18) scheduled
+        positions = torch.cat([pos_a, pos_b], dim=1)
+        slots = torch.arange(28)
+        store = TensorStore("s", 1 << 20)
+        for owner, begin, base in (("a", 0, 0), ("b", 8, 18)):
+            plan.add_request([RequestImage(image, 5, 6)], begin=begin, end=18, base=base, namespace=ns, store=store, budget=None,
+                             keep_image_order=False, positions=positions, slots=slots, cache=Writer(), rotary=ROTARY,
+                             owner=owner, isolated=SERVING, sink_token=SINK)
+        plan.settle()
+        return plan
+
+    plan = run(0)
+    side = plan.side.build(torch.int64)
+    assert plan.counters.isolated_images == 1 and plan.counters.isolated_fallbacks == 0 and not plan.approximate
+    assert side.write_rows.tolist() == [5, 6, 7, 8, 9, 10, 18, 19, 20]  # the second's rows 8..10 of the prompt
+    assert side.write_at.tolist() == [2, 3, 4, 5, 6, 7, 5, 6, 7]
+    assert plan.skipped[18:21].all() and not plan.skipped[21:].any()
+    moved = run(1)  # the same image at other positions: not the blocks the hit was on
+    assert moved.counters.isolated_fallbacks == 1 and moved.approximate == {"b": 5}

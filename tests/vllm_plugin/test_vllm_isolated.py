@@ -131,6 +131,32 @@ def test_the_plugin_serves_an_isolated_model_as_samcaches_engine(checkpoint, eng
     assert np.abs(plain - engine_turns[0][1]).max() > 1e-3
 
 
+def test_first_seen_images_of_a_whole_batch_are_computed_alone_in_one_step(checkpoint, engine_turns, env):
+    """Every turn in one generate call: one step holds the requests' side sequences (B in two of
+    them), and the last request, the first's prompt again, hits the first's blocks in the same step
+    with its image B half covered: the rest of B is written from the first request's side rows.
+    Each request gets the engine's log-probs."""
+    from vllm import SamplingParams
+
+    metrics = env / "batch-metrics.json"
+    llm = make_llm(checkpoint, {"metrics_path": str(metrics)})
+    try:
+        tokenizer = llm.get_tokenizer()
+        prompts = [{"prompt": re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", tokenizer.decode(ids)),
+                    "multi_modal_data": {"image": [IMAGES[n] for n in names]}}
+                   for (ids, _), (names, _, _) in zip(engine_turns, TURNS)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1), use_tqdm=False)
+        for out, (ids, want) in zip(outs, engine_turns):
+            assert list(out.prompt_token_ids) == ids
+            got = np.array([lp.logprob for _, lp in sorted(out.outputs[0].logprobs[0].items())])
+            np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
+        m = read_metrics(metrics)
+        assert m.isolated_images >= 6 and m.isolated_fallbacks == 0 and m.recomputed_tokens == 0
+        assert outs[3].num_cached_tokens > 0  # the same-step prefix hit this test is about
+    finally:
+        close(llm)
+
+
 @pytest.mark.parametrize("case, message", [
     ("chunked", "an image split by a chunk boundary cannot be computed alone; serve it with "
                 "disable_chunked_mm_input=True"),

@@ -174,10 +174,32 @@ class StepPlan:
     counters: ReuseCounters = field(default_factory=ReuseCounters)
     approximate: dict[Any, int] = field(default_factory=dict)
     side: SideRowsBuilder = field(default_factory=SideRowsBuilder)
+    # Isolated images computed alone in this step, (key, record) -> (side index, positions), and the
+    # partly cached ones waiting for :meth:`settle` (a request whose prefix hit the blocks another
+    # request of the same step computes).
+    _computed: dict = field(default_factory=dict)
+    _partial: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.skipped = np.zeros(self.total, dtype=bool)
         self.recompute = [[] for _ in range(self.num_layers)]
+
+    def settle(self) -> None:
+        """After every request is added: the rest of each isolated image whose first tokens came
+        from the prefix cache is written from the side rows of another request of this step that
+        computes the same image alone at the same positions (the prefix hit was on that request's
+        blocks, so the image sits where it does there); else it falls back (computed in context)."""
+        for owner, named, start, begin, rows, image_positions in self._partial:
+            found = self._computed.get(named) if named is not None else None
+            if found is not None:
+                side_at, computed_positions = found
+                offset = begin - start  # the first scheduled token's place in the image
+                if torch.equal(computed_positions[:, offset:offset + rows.numel()], image_positions):
+                    self.side.also_write(side_at + offset, rows)
+                    self.skipped[rows.numpy()] = True
+                    continue
+            self._fallback(owner, start)
+        self._partial.clear()
 
     def _fallback(self, owner: Any, start: int) -> None:
         """An isolated image at prompt token ``start`` computed in context: the request's KV is
@@ -197,9 +219,10 @@ class StepPlan:
         the request's name in :attr:`approximate` where the splice leaves its KV approximate.
         ``isolated``: the model's images attend in isolation (after ``sink_token``, the prompt's
         first token): stored images are exact anywhere, first-seen ones are computed in side rows.
-        One that cannot be (cut by the step's end, its first tokens from the prefix cache and no
-        longer stored, or the prompt's first token unknown) is computed in context and counted in
-        ``isolated_fallbacks``; its request is approximate from there."""
+        One whose first tokens came from the prefix cache and that the store no longer holds waits
+        for :meth:`settle`; one that cannot be computed alone (cut by the step's end, or the
+        prompt's first token unknown) is computed in context and counted in ``isolated_fallbacks``;
+        its request is approximate from there."""
         unnamed: set = set()  # keys of images that cannot be named: never looked up, never saved
         layout_images = []
         for index, image in enumerate(images):
@@ -236,10 +259,17 @@ class StepPlan:
             rows = torch.arange(base + max(slot.start, begin) - begin, base + slot.end - begin)
             side_at = None
             if isolated is not None:
-                if not whole or (isolated.attention.sink and sink_token is None):
+                if isolated.attention.sink and sink_token is None:
                     self._fallback(owner, slot.start)
                     continue
-                side_at = self.side.add(isolated.prefix(sink_token), rows, positions[:, rows].cpu())
+                if not whole:  # its first tokens came from the prefix cache: its rest may be computed alone here
+                    named = None if slot.key in unnamed else (slot.key, record)
+                    self._partial.append((owner, named, slot.start, begin, rows, positions[:, rows].cpu()))
+                    continue
+                image_positions = positions[:, rows].cpu()
+                side_at = self.side.add(isolated.prefix(sink_token), rows, image_positions)
+                if slot.key not in unnamed:
+                    self._computed.setdefault((slot.key, record), (side_at, image_positions))
                 self.counters.isolated_images += 1
                 self.skipped[rows.numpy()] = True
             if slot.key not in unnamed and whole and slot.key not in saving:

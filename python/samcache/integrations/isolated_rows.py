@@ -17,7 +17,9 @@ their engine's batch, so they add *rows*: every first-seen image becomes a side 
 - attend among themselves only, causally within each side sequence (:meth:`SideRows.attention`);
 - write their image rows' keys and values into the image's own cache slots, while the step's copy
   of those rows is skipped like a splice. Text after the image then reads exactly the KV a full
-  prefill of the isolated model gives it.
+  prefill of the isolated model gives it. Another request of the same step whose prefix hit
+  covered the image's first tokens (vLLM hits blocks that an earlier request of the same step
+  computes) gets the rest of the image written from the same side rows.
 
 Only models isolated at every layer are served this way (``context_layers`` = 0): the top-k
 variant would need the image's rows computed in context in the top layers from a stored input.
@@ -67,14 +69,18 @@ class SideRows:
     """The side sequences of one step, ``size`` rows in all, appended after the step's rows.
 
     ``tokens`` / ``token_at``: the prefix rows' token ids and their side indices; ``image_rows`` /
-    ``image_at``: the step rows whose embeddings, positions and cache slots the image rows take, and
-    the image rows' side indices; ``positions`` ``[3, size]``; ``mask`` ``[size, size]``: which side
-    row sees which (causal within each side sequence)."""
+    ``image_at``: the step rows whose embeddings and positions the image rows take, and the image
+    rows' side indices; ``write_rows`` / ``write_at``: the step rows whose cache slots take which
+    side row's keys and values (the image's own rows, and those of another request of the step
+    whose prefix hit covered the image's first tokens); ``positions`` ``[3, size]``; ``mask``
+    ``[size, size]``: which side row sees which (causal within each side sequence)."""
 
     tokens: torch.Tensor
     token_at: torch.Tensor
     image_rows: torch.Tensor
     image_at: torch.Tensor
+    write_rows: torch.Tensor
+    write_at: torch.Tensor
     positions: torch.Tensor
     mask: torch.Tensor
 
@@ -109,6 +115,7 @@ class SideRowsBuilder:
         self._image_at: list[torch.Tensor] = []
         self._positions: list[torch.Tensor] = []
         self._lengths: list[int] = []
+        self._also: list[tuple[torch.Tensor, torch.Tensor]] = []  # (side indices, step rows) written too
         self.size = 0
 
     def __bool__(self) -> bool:
@@ -135,15 +142,22 @@ class SideRowsBuilder:
         self.size += p + n
         return start + p
 
+    def also_write(self, side_at: int, rows: torch.Tensor) -> None:
+        """Write side rows ``side_at, side_at + 1, ...`` into step rows ``rows`` too."""
+        self._also.append((torch.arange(side_at, side_at + rows.numel()), rows.to(torch.int64)))
+
     def build(self, position_dtype: torch.dtype) -> SideRows:
         mask = torch.zeros((self.size, self.size), dtype=torch.bool)
         at = 0
         for n in self._lengths:
             mask[at:at + n, at:at + n] = torch.ones((n, n), dtype=torch.bool).tril()
             at += n
+        image_rows, image_at = torch.cat(self._image_rows), torch.cat(self._image_at)
         return SideRows(tokens=torch.tensor(self._tokens, dtype=torch.int64),
                         token_at=torch.tensor(self._token_at, dtype=torch.int64),
-                        image_rows=torch.cat(self._image_rows), image_at=torch.cat(self._image_at),
+                        image_rows=image_rows, image_at=image_at,
+                        write_rows=torch.cat([image_rows, *(r for _, r in self._also)]),
+                        write_at=torch.cat([image_at, *(a for a, _ in self._also)]),
                         positions=torch.cat(self._positions, dim=1).to(position_dtype), mask=mask)
 
 

@@ -138,8 +138,8 @@ class SamcacheAttnBackend(AttentionBackend):
             side_out = side.attention(q3[rows:], k3[rows:], v3[rows:], layer.scaling)
             if save_kv_cache:  # the step's rows first: a side row's slot may also be a computed row's
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k3[:rows], v3[:rows])
-                pick = side.image_at.to(k3.device)
-                side_loc = forward_batch.out_cache_loc.index_select(0, side.image_rows.to(loc.device))
+                pick = side.write_at.to(k3.device)
+                side_loc = forward_batch.out_cache_loc.index_select(0, side.write_rows.to(loc.device))
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(side_loc, None), k3[rows:].index_select(0, pick),
                                                     v3[rows:].index_select(0, pick))
             q3 = q3[:rows]

@@ -124,6 +124,7 @@ def plan_step(forward_batch: Any, *, cache: PoolWriter, rotary: Rotary, store: A
                          budget=budget, keep_image_order=keep_image_order, positions=positions, slots=slots,
                          cache=cache, rotary=rotary, may_splice=not (splice_none or wants_prompt_rows[b]), owner=b,
                          isolated=isolated, sink_token=sinks[b])
+    plan.settle()
     mark_batch(forward_batch, plan.approximate)  # their KV past the exact tokens stays out of the tree
     stats, saves, skipped = plan.counters, plan.saves, plan.skipped
     stats.images_saved = len(saves)

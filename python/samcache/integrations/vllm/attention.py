@@ -36,7 +36,7 @@ class SamcacheCPUAttentionImpl(CPUAttentionBackendImpl):
             step, index = sparse
             slot_mapping = step.slots[index]
             if step.side is not None:  # the step's rows, then the side images' rows into their own slots
-                rows, pick = step.rows[index].numel(), step.side.image_at
+                rows, pick = step.rows[index].numel(), step.side.write_at
                 key = torch.cat([key[:rows], key[rows:].index_select(0, pick)])
                 value = torch.cat([value[:rows], value[rows:].index_select(0, pick)])
                 slot_mapping = torch.cat([slot_mapping, step.side_slots])

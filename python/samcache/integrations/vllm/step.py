@@ -96,7 +96,7 @@ class ForwardStep:
     """The executed plan of one forward pass. ``rows[l]``: flattened rows layer ``l`` computes
     (None: every row, vLLM's own path); ``select[l]``: their positions among ``rows[l - 1]``;
     ``side``: an isolated model's first-seen images, computed in rows after those at every layer
-    (their image rows' keys and values go to ``side_slots``)."""
+    (the keys and values of side rows ``side.write_at`` go to ``side_slots``)."""
 
     rows: list[torch.Tensor] | None
     select: list[torch.Tensor | None]
@@ -197,6 +197,7 @@ def plan_forward(
                          namespace=Namespace(model_id, step.tenant), store=store, budget=budget,
                          keep_image_order=keep_image_order, positions=positions, slots=slot_mapping, cache=cache,
                          rotary=rotary, owner=step.req_id, isolated=isolated, sink_token=step.sink_token)
+    plan.settle()
     saves, skipped, recompute = plan.saves, plan.skipped, plan.recompute
     stats = plan.counters.counters()
     del stats["steps"]  # counted by the connector
@@ -217,7 +218,7 @@ def plan_forward(
     side = plan.side.build(positions.dtype) if plan.side else None
     if side is not None:
         stats["computed_tokens"] += side.size
-        common.update(side=side, side_slots=slot_mapping[side.image_rows.to(slot_mapping.device)])
+        common.update(side=side, side_slots=slot_mapping[side.write_rows.to(slot_mapping.device)])
     return ForwardStep(rows=rows, select=select, slots=slot_rows, **common)
 
 
