@@ -287,3 +287,34 @@ def test_sessions_continue_fork_refuse_and_make_room():
     assert len(sessions) == 0
     with pytest.raises(ValueError, match="max_sessions"):
         ServerSessions(engine, max_sessions=0)
+
+
+def test_the_engine_is_called_outside_the_registrys_lock():
+    """The step loop's thread ends turns while holding the engine's lock; a request starting a
+    session meanwhile must not hold the registry's lock while it waits for the engine."""
+    import threading
+
+    from samcache.serve.sessions import ServerSessions
+
+    engine = _Engine()
+    sessions = ServerSessions(engine)
+    first = sessions.begin("a", _messages("hi"), tenant=None)
+    entered, release = threading.Event(), threading.Event()
+    real = engine.new_session
+
+    def waits_for_the_engine(**kw):
+        entered.set()
+        assert release.wait(10)
+        return real(**kw)
+
+    engine.new_session = waits_for_the_engine
+    starting = threading.Thread(target=lambda: sessions.begin("b", _messages("x"), tenant=None))
+    starting.start()
+    assert entered.wait(10)
+    ending = threading.Thread(target=lambda: sessions.finish(first, _messages("hi"), "hello", end=True))
+    ending.start()
+    ending.join(5)
+    assert not ending.is_alive()  # it did not wait for the session being created
+    release.set()
+    starting.join(10)
+    assert len(sessions) == 1 and engine.abandoned and not starting.is_alive()

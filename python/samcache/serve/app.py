@@ -2,9 +2,9 @@
 
 Every request is turned into the engine's request and prepared (images decoded and hashed, text
 tokenized) in worker threads, off the event loop and off the step loop's thread, then submitted to
-the engine's :class:`~samcache.engine.online.OnlineLoop` (it joins
-the running batch at the next step) and answered as OpenAI does: one JSON body, or server-sent
-events with one chunk per piece of text. A client that closes its stream cancels its request: its
+the engine's :class:`~samcache.engine.online.OnlineLoop` (it joins the running batch at the next
+step) and answered as OpenAI does: one JSON body, or server-sent events with one chunk per piece of
+text. A request may name a session (:mod:`samcache.serve.sessions`). A client that closes its stream cancels its request: its
 blocks are freed at the next step. Errors are OpenAI-style JSON with a 4xx/5xx status; the server
 goes on serving the others.
 """

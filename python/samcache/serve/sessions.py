@@ -95,46 +95,67 @@ class ServerSessions:
               ) -> SessionTurn:
         """Start a request's turn on session ``name`` (created here, or as a fork of ``fork_of``).
         ``messages``: the request's OpenAI messages, which must repeat the session's history and
-        add one user message. Raises :class:`ApiError` (400, 404, 409, 503) naming the problem."""
+        add one user message. Raises :class:`ApiError` (400, 404, 409, 503) naming the problem.
+
+        The engine is called outside this registry's lock: the step loop's thread ends turns
+        (:meth:`finish`) while it holds the engine's lock, so the two locks are never taken in the
+        other order."""
         if not messages or messages[-1].role != "user":
             raise ApiError(400, "a session's request ends with the user message the turn adds", "messages")
+        key, parent = (tenant, name), None
         with self._lock:
-            key = (tenant, name)
             found = self._open.get(key)
             if fork_of is not None:
                 if found is not None:
                     raise ApiError(409, f"session {name!r} exists already; fork into a new name", "session")
                 parent = self._open.get((tenant, fork_of))
-                if parent is None:
+                if parent is None or parent.session is None:
                     raise ApiError(404, f"no open session {fork_of!r} to fork", "fork_of")
                 if parent.busy:
                     raise ApiError(409, f"session {fork_of!r} is answering a request; fork it after that", "fork_of")
-                self._make_room()
-                found = OpenSession(name, self.engine.fork_session(parent.session, name), tenant, list(parent.digests))
-                self._open[key] = found
-                new = True
-            elif found is None:
-                self._make_room()
-                found = OpenSession(name, self.engine.new_session(tenant=tenant, hold_context=True), tenant)
-                self._open[key] = found
-                new = True
-            else:
+                history = parent.digests
+            elif found is not None:
                 if found.busy:
                     raise ApiError(409, f"session {name!r} is answering another request; one at a time", "session")
-                new = False
-            history = found.digests
-            if not new or fork_of is not None:  # the request repeats what the session holds
-                if len(messages) != len(history) + 1 or [message_digest(m) for m in messages[:-1]] != history:
-                    if new:
-                        self._close(key)
-                    raise ApiError(400, self._mismatch(name, messages, history), "messages")
-            self._open.move_to_end(key)
-            found.busy = True
-            return SessionTurn(found, new and fork_of is None, 0 if new and fork_of is None else len(history))
+                history = found.digests
+            else:
+                history = None  # a new session takes any history
+            if history is not None and (len(messages) != len(history) + 1
+                                        or [message_digest(m) for m in messages[:-1]] != history):
+                raise ApiError(400, self._mismatch(fork_of or name, messages, history), "messages")
+            if found is not None:
+                found.busy = True
+                self._open.move_to_end(key)
+                return SessionTurn(found, False, len(history))
+            if parent is not None:
+                parent.busy = True  # not closed to make room, nor forked twice at once, while it is copied
+                self._open.move_to_end((tenant, fork_of))
+            try:
+                closed = self._make_room()
+            except ApiError:
+                if parent is not None:
+                    parent.busy = False
+                raise
+            found = OpenSession(name, None, tenant, list(history or ()), busy=True)
+            self._open[key] = found  # reserved: a request racing for the name sees it busy
+        self._abandon(closed)
+        try:
+            found.session = (self.engine.fork_session(parent.session, name) if parent is not None
+                             else self.engine.new_session(tenant=tenant, hold_context=True))
+        except BaseException:
+            with self._lock:
+                self._open.pop(key, None)
+            raise
+        finally:
+            if parent is not None:
+                with self._lock:
+                    parent.busy = False
+        return SessionTurn(found, parent is None, 0 if parent is None else len(history))
 
     def finish(self, turn: SessionTurn, messages: Sequence[Any], reply: str | None, end: bool) -> None:
         """End a turn: with its ``reply`` (None: it failed, nothing recorded) the session's history
         is the request's messages and the reply; ``end`` closes the session."""
+        closed = []
         with self._lock:
             open_ = turn.open
             open_.busy = False
@@ -147,7 +168,8 @@ class ServerSessions:
             elif turn.new:
                 end = True  # a session its first request could not start is not kept
             if end and self._open.get(key) is open_:
-                self._close(key)
+                closed.append(self._open.pop(key))
+        self._abandon(closed)
 
     @staticmethod
     def _mismatch(name: str, messages: Sequence[Any], history: list[bytes]) -> str:
@@ -158,22 +180,28 @@ class ServerSessions:
         return (f"session {name!r} holds {len(history)} messages; a request on it sends them and one new user "
                 f"message ({len(messages)} sent)")
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> list[OpenSession]:
+        """Under the lock: take the least recently used idle sessions out until one more fits; the
+        caller abandons them (outside the lock)."""
+        closed = []
         while len(self._open) >= self.max_sessions:
             idle = next((k for k, s in self._open.items() if not s.busy), None)
             if idle is None:
+                self._open.update({(s.tenant, s.name): s for s in closed})  # nothing closed after all
                 raise ApiError(503, f"all {self.max_sessions} sessions are answering requests; retry later", "session")
-            self._close(idle)
+            closed.append(self._open.pop(idle))
+        return closed
 
-    def _close(self, key: tuple) -> None:
-        found = self._open.pop(key)
-        if not found.session.abandoned:
-            self.engine.abandon_session(found.session)
+    def _abandon(self, closed: list[OpenSession]) -> None:
+        for found in closed:
+            if found.session is not None and not found.session.abandoned:
+                self.engine.abandon_session(found.session)
 
     def close_all(self) -> None:
         with self._lock:
-            for key in list(self._open):
-                self._close(key)
+            closed = list(self._open.values())
+            self._open.clear()
+        self._abandon(closed)
 
 
 __all__ = ["OpenSession", "ServerSessions", "SessionTurn", "message_digest"]
