@@ -5,8 +5,6 @@ rows (their own rows skipped, saved with the variant and sink in their record), 
 spliced as exact, and an image that cannot be computed alone falls back, counted and approximate.
 The end-to-end tests through the real engines are in tests/vllm_plugin/ and tests/sglang_plugin/."""
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -18,6 +16,8 @@ from samcache.integrations.isolated_rows import IsolatedServing, SideRowsBuilder
 from samcache.integrations.vllm.identity import content_identifier, store_key
 from samcache.integrations.vllm.step import ImageRef, RequestStep, plan_forward
 from samcache.profile.image_attention import ImageAttention
+
+from plugin_helpers import Metadata  # noqa: E402
 
 H, D, L, BS = 2, 8, 3, 4
 ROTARY = Rotary((1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))).float(), "mrope", (2, 1, 1))
@@ -87,15 +87,6 @@ def test_a_side_save_captures_its_rows_after_the_layers_own():
     keys = torch.arange(20.0)[:, None, None].expand(20, 1, 2)
     save.capture(torch.arange(10), keys, keys)  # 10 rows of the step, then the side rows
     assert save.k[0][:, 0, 0].tolist() == [14.0, 15.0, 16.0] and save.check == (3, "x")
-
-
-@dataclass
-class Metadata:
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    dynamic_causal: object = None
 
 
 class Writer:
@@ -196,3 +187,22 @@ def test_a_same_step_prefix_hit_takes_the_rest_of_the_image_from_the_other_reque
     assert plan.skipped[18:21].all() and not plan.skipped[21:].any()
     moved = run(1)  # the same image at other positions: not the blocks the hit was on
     assert moved.counters.isolated_fallbacks == 1 and moved.approximate == {"b": 5}
+
+
+def test_bad_side_rows_are_refused():
+    b = SideRowsBuilder()
+    with pytest.raises(ValueError, match="no side sequence was added"):
+        b.build(torch.int64)
+    with pytest.raises(ValueError, match=r"image_positions must be \[3, 2\]"):
+        b.add([SINK, FRAME], torch.tensor([1, 2]), image_positions(3, (1, 3)))
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        b.add([SINK, FRAME], torch.tensor([], dtype=torch.int64), torch.zeros(3, 0, dtype=torch.int64))
+    with pytest.raises(ValueError, match="starts with its segment prefix"):
+        b.add([], torch.tensor([1]), image_positions(3, (1, 1)))
+    b.add([FRAME], torch.tensor([1, 2]), image_positions(3, (1, 2)))
+    with pytest.raises(ValueError, match="are not among the 3 added"):
+        b.also_write(2, torch.tensor([7, 8]))
+    with pytest.raises(ValueError, match="frame_token must be a token id"):
+        IsolatedServing(ImageAttention("isolated"), -1)
+    with pytest.raises(TypeError, match="must be an ImageAttention"):
+        IsolatedServing("isolated", FRAME)

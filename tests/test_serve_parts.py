@@ -287,6 +287,8 @@ def test_sessions_continue_fork_refuse_and_make_room():
     assert len(sessions) == 0
     with pytest.raises(ValueError, match="max_sessions"):
         ServerSessions(engine, max_sessions=0)
+    with pytest.raises(ApiError, match="session must be a non-empty string"):
+        sessions.begin("", _messages("x"), tenant=None)
 
 
 def test_the_engine_is_called_outside_the_registrys_lock():

@@ -43,6 +43,10 @@ class IsolatedServing:
     frame_token: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.attention, ImageAttention):
+            raise TypeError(f"IsolatedServing.attention must be an ImageAttention, got {type(self.attention).__name__}")
+        if isinstance(self.frame_token, bool) or not isinstance(self.frame_token, int) or self.frame_token < 0:
+            raise ValueError(f"IsolatedServing.frame_token must be a token id (int >= 0), got {self.frame_token!r}")
         if not self.attention.isolated:
             raise ValueError("IsolatedServing is for isolated image attention")
         if self.attention.context_layers:
@@ -129,6 +133,13 @@ class SideRowsBuilder:
     def add(self, prefix: list[int], image_rows: torch.Tensor, image_positions: torch.Tensor) -> int:
         """Add a side sequence: ``prefix`` token ids, then the image at step rows ``image_rows``
         (M-RoPE ``image_positions`` ``[3, n]``). Returns the side index of its first image row."""
+        if image_rows.dim() != 1 or image_rows.numel() == 0:
+            raise ValueError(f"image_rows must be a non-empty 1-D tensor of step rows, got shape {tuple(image_rows.shape)}")
+        if image_positions.shape != (3, image_rows.numel()):
+            raise ValueError(f"image_positions must be [3, {image_rows.numel()}] (M-RoPE, one per image row), got "
+                             f"{tuple(image_positions.shape)}")
+        if not prefix:
+            raise ValueError("a side sequence starts with its segment prefix (at least the frame token)")
         start, p = self.size, len(prefix)
         first = image_positions[:, :1].to(torch.int64)
         self._tokens.extend(int(t) for t in prefix)
@@ -144,9 +155,13 @@ class SideRowsBuilder:
 
     def also_write(self, side_at: int, rows: torch.Tensor) -> None:
         """Write side rows ``side_at, side_at + 1, ...`` into step rows ``rows`` too."""
+        if rows.dim() != 1 or not 0 <= side_at or side_at + rows.numel() > self.size:
+            raise ValueError(f"side rows {side_at}..{side_at + rows.numel() - 1} are not among the {self.size} added")
         self._also.append((torch.arange(side_at, side_at + rows.numel()), rows.to(torch.int64)))
 
     def build(self, position_dtype: torch.dtype) -> SideRows:
+        if not self.size:
+            raise ValueError("no side sequence was added")
         mask = torch.zeros((self.size, self.size), dtype=torch.bool)
         at = 0
         for n in self._lengths:

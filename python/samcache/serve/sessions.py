@@ -100,6 +100,9 @@ class ServerSessions:
         The engine is called outside this registry's lock: the step loop's thread ends turns
         (:meth:`finish`) while it holds the engine's lock, so the two locks are never taken in the
         other order."""
+        for field_name, value in (("session", name), ("fork_of", fork_of)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ApiError(400, f"{field_name} must be a non-empty string, got {value!r}", field_name)
         if not messages or messages[-1].role != "user":
             raise ApiError(400, "a session's request ends with the user message the turn adds", "messages")
         key, parent = (tenant, name), None
