@@ -4,8 +4,6 @@ No vLLM needed: plan_forward takes vLLM's attention metadata fields, the step's 
 and a cache writer; the end-to-end tests through the real vLLM are in tests/vllm_plugin/.
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +15,8 @@ from samcache.integrations.vllm.identity import content_identifier, store_key
 from samcache.integrations.vllm.step import (ImageKV, ImageRef, RequestStep, Rotary, plan_forward)
 from samcache.reuse import RecomputeBudget
 from samcache.cache.stores import TensorStore
+
+from plugin_helpers import Metadata  # noqa: E402
 
 H, D, L, BS = 2, 8, 3, 4
 SECTION = (2, 1, 1)
@@ -33,15 +33,6 @@ def mrope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     x = x.double()
     a, b = x[..., : D // 2], x[..., D // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-
-@dataclass
-class Metadata:  # the fields of vLLM's CPUAttentionMetadata that the plan reads
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    dynamic_causal: object = None
 
 
 class Writer:
