@@ -8,7 +8,6 @@ Runs in vLLM's environment, as tests/vllm_plugin/test_vllm_plugin.py."""
 from __future__ import annotations
 
 import gc
-import os
 import re
 
 import numpy as np
@@ -29,18 +28,6 @@ IMAGES = {name: Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*S
 # beside a known one at another index, then the first prompt again (vLLM's prefix cache).
 TURNS = [("AB", "open the menu", "Short."), ("BC", "click save", "A much longer system prompt here."),
          ("CA", "go back", "Short."), ("AB", "open the menu", "Short.")]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-isolated")
-    saved = dict(os.environ)
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                      VLLM_CACHE_ROOT=str(root / "cache"), XDG_CACHE_HOME=str(root / "cache"),
-                      VLLM_RPC_BASE_PATH=str(root), VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    yield root
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -32,18 +32,6 @@ SIZE = (224, 336)  # 96 image tokens: three vLLM blocks
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-plugin")
-    saved = dict(os.environ)
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                      VLLM_CACHE_ROOT=str(root / "cache"), XDG_CACHE_HOME=str(root / "cache"),
-                      VLLM_RPC_BASE_PATH=str(root), VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    yield root
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture(scope="module")
 def checkpoint(env):
     from samcache.random_checkpoints import build_tiny_model
 
