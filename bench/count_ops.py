@@ -16,31 +16,13 @@ kin): each is a host synchronisation on a GPU.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
 import sys
 import tempfile
 import warnings
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
-           "aten::_unique2", "aten::unique_consecutive", "aten::repeat_interleave"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts ops by name into the current ``phase``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "before forward"
-        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.phase][func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
+from samcache.bench.op_count import OpCounter
 
 
 def main(argv=None) -> int:
@@ -66,7 +48,7 @@ def main(argv=None) -> int:
         return engine.chat(messages=[{"role": "system", "content": system},
                                      user_message(shown, "Which button should be clicked next?")], max_new_tokens=1)
 
-    counter = OpCounter()
+    counter = OpCounter("before forward")
     forward = engine.executor.forward
 
     def counted_forward(steps):
@@ -88,11 +70,11 @@ def main(argv=None) -> int:
     m = r.metrics
     phases = {}
     for phase, counts in counter.counts.items():
-        phases[phase] = {"ops": sum(counts.values()),
-                         "syncing_ops": {k: v for k, v in sorted(counts.items()) if k in SYNCING},
+        phases[phase] = {"ops": sum(counts.values()), "syncing_ops": counter.syncing(phase),
                          "top": dict(counts.most_common(12))}
     fwd = phases.get("forward", {"ops": 0})
     result = {"model": str(args.model or f"random {args.preset}"), "layers": layers,
+              "fused": {"norms": engine.runner.fused_norms, "rope_and_kv_write": engine.runner.fused_rope},
               "turn": {"prompt_tokens": m.prompt_tokens, "image_reused_tokens": m.image_reused_tokens,
                        "prefilled_tokens": m.prefilled_tokens, "recomputed_tokens": m.recomputed_tokens},
               "ops_per_layer_in_forward": fwd["ops"] / layers, "phases": phases}

@@ -54,9 +54,10 @@ def test_host_tier_brings_a_demoted_image_back_exactly(model, opts, monkeypatch)
     reference = _turns(make_engine(model, prefix_cache=False, **opts))  # a store big enough for both
     tiered = _small_store({"host_kv_cache_bytes": 64 << 20, **opts}, model)
     events = []  # ("wait", l): a load's layer l awaited; ("layer", l): the forward computes layer l
-    wait, project = LayerLoad.wait, tiered.runner._project
+    wait, attention_inputs = LayerLoad.wait, tiered.runner._attention_inputs
     monkeypatch.setattr(LayerLoad, "wait", lambda self, layer: (events.append(("wait", layer)), wait(self, layer))[1])
-    monkeypatch.setattr(tiered.runner, "_project", lambda l, *a: (events.append(("layer", l)), project(l, *a))[1])
+    monkeypatch.setattr(tiered.runner, "_attention_inputs",
+                        lambda l, *a: (events.append(("layer", l)), attention_inputs(l, *a))[1])
     got = _turns(tiered)
     waits = [i for i, e in enumerate(events) if e[0] == "wait"]
     assert waits, "no load from the host tier ran"

@@ -9,6 +9,8 @@
 #include "../kernels/rope.h"
 #include "../kernels/kv_quant.h"
 #include "../kernels/token_merge.h"
+#include "../kernels/rms_norm.h"
+#include "../kernels/rope_qkv.h"
 
 TORCH_LIBRARY(samcache, m) {
   // Copies block src -> dst in every cache, for each (src, dst) row of block_pairs.
@@ -44,6 +46,15 @@ TORCH_LIBRARY(samcache, m) {
   m.def("dequantize_kv_blocks(Tensor q, Tensor scales, Tensor(a!) cache, Tensor block_ids) -> ()");
   // Merges every token into its anchor by weighted average; returns (merged, kept_index).
   m.def("token_merge(Tensor hidden, Tensor target, Tensor weight) -> (Tensor, Tensor)");
+  // A decoder layer's RMS norm [N, D] in one pass (float32 statistics, weight in x's dtype).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // x += delta in place (the residual add), then rms_norm(x).
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  // From fused q/k/v rows: q and k rotated by RoPE (rows' cos, signed sin), k and v written into
+  // the paged caches at slot_mapping (-1 = skip); returns the rotated q [N, heads, head_dim].
+  m.def(
+      "rope_qkv_write(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(samcache, CPU, m) {
@@ -58,6 +69,9 @@ TORCH_LIBRARY_IMPL(samcache, CPU, m) {
   m.impl("quantize_kv_blocks", &samcache::kernels::quantize_kv_blocks_cpu);
   m.impl("dequantize_kv_blocks", &samcache::kernels::dequantize_kv_blocks_cpu);
   m.impl("token_merge", &samcache::kernels::token_merge_cpu);
+  m.impl("rms_norm", &samcache::kernels::rms_norm_cpu);
+  m.impl("add_rms_norm", &samcache::kernels::add_rms_norm_cpu);
+  m.impl("rope_qkv_write", &samcache::kernels::rope_qkv_write_cpu);
 }
 
 #ifdef SAMCACHE_WITH_CUDA
@@ -73,5 +87,8 @@ TORCH_LIBRARY_IMPL(samcache, CUDA, m) {
   m.impl("quantize_kv_blocks", &samcache::kernels::quantize_kv_blocks_cuda);
   m.impl("dequantize_kv_blocks", &samcache::kernels::dequantize_kv_blocks_cuda);
   m.impl("token_merge", &samcache::kernels::token_merge_cuda);
+  m.impl("rms_norm", &samcache::kernels::rms_norm_cuda);
+  m.impl("add_rms_norm", &samcache::kernels::add_rms_norm_cuda);
+  m.impl("rope_qkv_write", &samcache::kernels::rope_qkv_write_cuda);
 }
 #endif

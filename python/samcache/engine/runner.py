@@ -41,6 +41,16 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+# Hugging Face RMS norms that compute exactly samcache's ``rms_norm`` (weight * x / rms, no offset).
+_PLAIN_RMS_NORMS = {"Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm",
+                    "Qwen3VLMoeTextRMSNorm", "LlamaRMSNorm"}
+
+
+def _plain_rms_norm(module: torch.nn.Module) -> bool:
+    return (type(module).__name__ in _PLAIN_RMS_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
 def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear layers over the same input, the layers' own
     parameters becoming views of it (done once per model; later calls find the views)."""
@@ -108,6 +118,12 @@ class ModelRunner:
         self._qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], "qkv") for l in self.layers]
         self._gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj], "gate_up") if hasattr(l.mlp, "gate_proj") else None
                          for l in self.layers]
+        # The layer loop's norms and its RoPE + KV write as one samcache kernel each (a few ops per
+        # layer instead of about fifty: on a GPU each op is a launch) where the model's math is the
+        # kernels' own; otherwise the model's modules.
+        self.fused_norms = all(_plain_rms_norm(m) for l in self.layers
+                               for m in (l.input_layernorm, l.post_attention_layernorm))
+        self.fused_rope = not family.qk_norm and 2 * self.inv_freq.numel() == self.head_dim
         self.block_size = block_size
         if num_blocks is None:
             num_blocks = kv_cache_bytes // self.block_bytes
@@ -121,6 +137,7 @@ class ModelRunner:
         # Uninitialised: attention reads only slots a sequence has written.
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        self._layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))  # views, taken once
         self.visual = getattr(model.model, family.vision_attr)
         self.deepstack_layers = len(getattr(self.config.vision_config, "deepstack_visual_indexes", []) or [])
 
@@ -187,6 +204,24 @@ class ModelRunner:
         rotated = qk * cos[:, None, :] + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed[:, None, :]
         return rotated[:, : self.num_heads], rotated[:, self.num_heads:], v
 
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_norms:
+            return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    def _attention_inputs(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor:
+        """Layer ``l``'s rotated queries of normed rows ``x``; their keys and values written to
+        ``slots`` of the layer's caches (one kernel after the projection, where it applies)."""
+        k_cache, v_cache = self._layer_caches[l]
+        if self.fused_rope:
+            w, b = self._qkv[l]
+            return ops.rope_qkv_write(linear(x, w, b), cos, sin_signed, self.num_heads, self.num_kv_heads,
+                                      k_cache, v_cache, slots)
+        q, k, v = self._project(l, x, cos, sin_signed)
+        ops.paged_write(k, v, k_cache, v_cache, slots)
+        return q
+
     def _mlp(self, l: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[l].mlp
         fused = self._gate_up[l]
@@ -201,7 +236,7 @@ class ModelRunner:
     def layer0_queries(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer-0 queries [m, heads, head_dim] of tokens with these inputs (for relevance scores)."""
         cos, sin = self.rope(positions, embeds)
-        q, _, _ = self._project(0, self.layers[0].input_layernorm(embeds), cos, _signed_sin(sin))
+        q, _, _ = self._project(0, self._norm(self.layers[0].input_layernorm, embeds), cos, _signed_sin(sin))
         return q
 
     # ---- the layer loop ------------------------------------------------------------------------
@@ -229,18 +264,28 @@ class ModelRunner:
             else:
                 x, cos, sin = h.index_select(0, rows), cos_all.index_select(0, rows), sin_all.index_select(0, rows)
             attn = layer.self_attn
-            q, k, v = self._project(l, layer.input_layernorm(x), cos, sin)
+            normed = self._norm(layer.input_layernorm, x)
             if batch.select_jobs:  # a repair method picks the later layers' rows from this layer's keys
+                q, k, v = self._project(l, normed, cos, sin)
+
                 def fresh(job, k=k, rows=rows):
                     return k.index_select(0, job.rows if rows is None else torch.searchsorted(rows, job.rows))
 
                 # The cached keys are read before this layer's write overwrites them.
                 batch.select(l, fresh, lambda job, l=l: self.layer_keys(l, job.slots))
-            ops.paged_write(k, v, self.k_cache[l], self.v_cache[l], sub.slots)
-            out, _ = ops.sparse_attention(q, sub.meta, self.k_cache[l], self.v_cache[l],
-                                          scale=float(attn.scaling), window=self.windows[l])
-            x = x + linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            normed = layer.post_attention_layernorm(x)
+                ops.paged_write(k, v, *self._layer_caches[l], sub.slots)
+            else:
+                q = self._attention_inputs(l, normed, cos, sin, sub.slots)
+            k_cache, v_cache = self._layer_caches[l]
+            out, _ = ops.sparse_attention(q, sub.meta, k_cache, v_cache, scale=float(attn.scaling),
+                                          window=self.windows[l])
+            attended = linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            if self.fused_norms:  # x += attended, normed in the same pass (x is this step's own: h or a gather)
+                norm = layer.post_attention_layernorm
+                normed = ops.add_rms_norm(x, attended, norm.weight, norm.variance_epsilon)
+            else:
+                x = x + attended
+                normed = layer.post_attention_layernorm(x)
             stage = [job for job in batch.compress_jobs if l in job.settings.layers]
             # The stage's scores: the router logits of this layer (computed again for the image rows only).
             logits = [self.router_logits(l, normed.index_select(0, job.rows if rows is None else
@@ -260,7 +305,7 @@ class ModelRunner:
             for replay in batch.replays:
                 if replay.layer == l:
                     self._replay(batch, replay, h)
-        last = self.text.norm(h.index_select(0, batch.logit_rows))
+        last = self._norm(self.text.norm, h.index_select(0, batch.logit_rows))
         return linear(last, self.lm_head.weight, self.lm_head.bias).float()
 
     def router_logits(self, l: int, normed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The layer loop's fused kernels: which models take them, that a reuse turn's forward runs them
+(and reads nothing back into Python), and that they leave the engine's outputs exact."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from samcache.bench.op_count import OpCounter  # noqa: E402
+from samcache.engine import screenshot  # noqa: E402
+from samcache.engine.prompt import user_message  # noqa: E402
+
+from engine_helpers import SIZE, make_engine  # noqa: E402
+
+
+def counted_reuse_turn(engine):
+    """Serve 3 images, then a turn showing them in another order behind another system prompt,
+    counting the ops the forward step of that turn dispatches."""
+    images = [screenshot(40 + i, SIZE) for i in range(3)]
+
+    def turn(system, shown):
+        return engine.chat(messages=[{"role": "system", "content": system}, user_message(shown, "Which one?")],
+                           max_new_tokens=1)
+
+    counter = OpCounter("outside")
+    forward = engine.executor.forward
+
+    def counted(steps):
+        counter.phase = "forward"
+        try:
+            return forward(steps)
+        finally:
+            counter.phase = "outside"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        turn("You operate a computer.", images)
+        engine.executor.forward = counted
+        try:
+            with counter:
+                result = turn("Step 2: the latest screenshots.", images[::-1])
+        finally:
+            engine.executor.forward = forward
+    return result, counter
+
+
+def test_qwen2_5_vl_reuse_turn_runs_the_fused_kernels_and_reads_nothing_back(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["qwen2_5_vl"], recompute_ratio=0.2)
+    runner = engine.runner
+    assert runner.fused_norms and runner.fused_rope
+    result, counter = counted_reuse_turn(engine)
+    assert result.metrics.image_reused_tokens > 0 and result.metrics.recomputed_tokens > 0
+    ops = counter.counts["forward"]
+    layers = runner.num_layers
+    assert ops["samcache::rope_qkv_write"] == layers and ops["samcache::add_rms_norm"] == layers
+    assert ops["samcache::rms_norm"] == layers + 1  # each layer's input norm and the final one
+    for replaced in ("aten::pow", "aten::rsqrt", "aten::mean", "samcache::paged_write"):
+        assert ops[replaced] == 0, f"{replaced} still dispatched {ops[replaced]} times"
+    assert counter.syncing("forward") == {}, "the forward read a tensor back into Python"
+
+
+def test_qk_norm_models_keep_the_unfused_rope(tiny_checkpoints):
+    engine = make_engine(tiny_checkpoints["qwen3_vl_moe"])
+    assert engine.runner.fused_norms and not engine.runner.fused_rope
+    _, counter = counted_reuse_turn(engine)
+    ops = counter.counts["forward"]
+    assert ops["samcache::rope_qkv_write"] == 0 and ops["samcache::paged_write"] == engine.runner.num_layers
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_fused_forward_matches_the_modules_forward(tiny_checkpoints, family):
+    """The same full prefill with the fused kernels and with the model's own modules: within a few
+    float32 ulps (only the norm's sum of squares is added in another order)."""
+    fused = make_engine(tiny_checkpoints[family])
+    plain = make_engine(tiny_checkpoints[family], share_weights_with=fused)
+    plain.runner.fused_norms = plain.runner.fused_rope = False
+    msgs = [{"role": "system", "content": "Be brief."}, user_message([screenshot(7, SIZE)], "What is shown?")]
+    got, counters = [], []
+    for engine in (fused, plain):
+        prompt = engine.build_prompt(msgs)
+        with OpCounter() as counter:
+            pre, logits = engine.prefill(prompt)
+        engine.pool.free_sequence(pre.seq)
+        got.append(logits)
+        counters.append(counter.counts["all"])
+    layers = fused.runner.num_layers
+    assert counters[0]["samcache::add_rms_norm"] == layers  # the kernels ran ...
+    assert counters[1]["samcache::add_rms_norm"] == counters[1]["samcache::rms_norm"] == 0  # ... and the modules
+    torch.testing.assert_close(got[0], got[1], atol=2e-5, rtol=1e-5)
