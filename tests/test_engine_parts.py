@@ -222,7 +222,7 @@ def test_projection_rotates_q_and_k_exactly_as_rotate_half(tiny_checkpoints, fam
     """The runner rotates q and k together with rotate_half's sign folded into sin: bit for bit
     the model's own ``x * cos + rotate_half(x) * sin`` (qk-norm families included)."""
     from samcache.families import get_family
-    from samcache.engine.runner import ModelRunner, _signed_sin
+    from samcache.engine.runner import ModelRunner
 
     runner = ModelRunner(tiny_checkpoints[family], get_family(family), device=torch.device("cpu"), dtype=dtype,
                          block_size=16, num_blocks=4)
@@ -230,7 +230,9 @@ def test_projection_rotates_q_and_k_exactly_as_rotate_half(tiny_checkpoints, fam
     x = torch.randn(37, runner.hidden_size, generator=g).to(dtype)
     positions = torch.randint(0, 500, (3, 37), generator=g)
     cos, sin = runner.rope(positions, x)
-    q, k, v = runner._project(0, x, cos, _signed_sin(sin))
+    cos_signed, sin_signed = runner.rope_signed(positions, x)
+    assert torch.equal(cos_signed, cos)
+    q, k, v = runner._project(0, x, cos, sin_signed)
     from samcache.engine.linear import linear
 
     attn = runner.layers[0].self_attn

@@ -89,3 +89,46 @@ def test_fused_forward_matches_the_modules_forward(tiny_checkpoints, family):
     assert counters[0]["samcache::add_rms_norm"] == layers  # the kernels ran ...
     assert counters[1]["samcache::add_rms_norm"] == counters[1]["samcache::rms_norm"] == 0  # ... and the modules
     torch.testing.assert_close(got[0], got[1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_reuse_turn_forward_synchronises_nothing(tiny_checkpoints):
+    """Between the first layer and the logits nothing waits for the GPU (torch's sync debug mode
+    flags every synchronising call: reads back, pageable copies, data-dependent sizes)."""
+    engine = make_engine(tiny_checkpoints["qwen2_5_vl"], device="cuda", recompute_ratio=0.2)
+    images = [screenshot(60 + i, SIZE) for i in range(3)]
+    engine.chat(messages=[{"role": "system", "content": "A."}, user_message(images, "Which one?")], max_new_tokens=1)
+    flagged, forward = [], engine.executor.forward
+
+    def watched(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return forward(steps)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                flagged.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+    engine.executor.forward = watched
+    result = engine.chat(messages=[{"role": "system", "content": "B."}, user_message(images[::-1], "Which one?")],
+                         max_new_tokens=1)
+    assert result.metrics.image_reused_tokens > 0
+    assert not flagged, f"{len(flagged)} synchronising calls in the forward, the first: {flagged[0]}"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "internvl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_the_rotary_modules_bits(tiny_checkpoints, family, dtype):
+    runner = make_engine(tiny_checkpoints[family]).runner
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 40_000, (3, 300), generator=g)
+    like = torch.zeros(1, dtype=dtype)
+    rotary = runner.text.rotary_emb
+    if runner.family.mrope:
+        want_cos, want_sin = rotary(like, positions[:, None, :])
+    else:
+        want_cos, want_sin = rotary(like, positions[:1])
+    cos, sin = runner.rope(positions, like)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])

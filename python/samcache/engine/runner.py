@@ -35,15 +35,25 @@ from samcache.errors import UnsupportedModel
 _MLP_ROWS = 1024  # rows per MLP chunk: 1,024 x (2 x 768) float32 intermediates are 6 MB
 
 
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with rotate_half's sign folded in: rotate_half(x) * sin == swap_halves(x) * this."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
 # Hugging Face RMS norms that compute exactly samcache's ``rms_norm`` (weight * x / rms, no offset).
 _PLAIN_RMS_NORMS = {"Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm",
                     "Qwen3VLMoeTextRMSNorm", "LlamaRMSNorm"}
+
+
+def frequency_axes(style: str, mrope_section: Sequence[int], half: int) -> torch.Tensor:
+    """Which position row (0 = t, 1 = h, 2 = w) drives each of the ``half`` rotary frequencies:
+    Qwen2.5-VL's sections (t, then h, then w), Qwen3-VL's interleaving (h at 1, 4, 7... below
+    3 s_h, w at 2, 5, 8... below 3 s_w), row 0 for 1-D RoPE."""
+    axes = torch.zeros(half, dtype=torch.int64)
+    if style == "mrope":
+        s_t, s_h, _ = mrope_section
+        axes[s_t: s_t + s_h] = 1
+        axes[s_t + s_h:] = 2
+    elif style == "mrope_interleaved":
+        j = torch.arange(half)
+        axes[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+        axes[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return axes
 
 
 def _plain_rms_norm(module: torch.nn.Module) -> bool:
@@ -110,6 +120,10 @@ class ModelRunner:
                 "re-rotating cached keys assumes plain (M-)RoPE"
             )
         self.inv_freq = rotary.inv_freq.detach().float().to(device)
+        half = self.inv_freq.numel()
+        self._sin_sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device)
+        self._freq_axes = frequency_axes(family.rope_style, [int(x) for x in getattr(rotary, "mrope_section", [])],
+                                         self.inv_freq.numel()).to(device)
         # Positions are [3, N] everywhere in the engine; 1-D RoPE families rotate by row 0.
         self.mrope_section = [int(s) for s in rotary.mrope_section] if family.mrope else []
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
@@ -174,17 +188,23 @@ class ModelRunner:
         return [(e.to(self.dtype), tuple(f[i].to(self.dtype) for f in deep)) for i, e in enumerate(embeds)]
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [M, head_dim] of positions [3, M] (the model's own rotary module): M-RoPE
-        triples, or row 0 for 1-D RoPE."""
-        if not self.family.mrope:
-            cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:1])
-            return cos[0], sin[0]
-        cos, sin = self.text.rotary_emb(like, positions.to(self.device)[:, None, :])
-        return cos[0], sin[0]
+        """cos, sin [M, head_dim] of positions [3, M] in ``like``'s dtype: M-RoPE triples, or row
+        0 for 1-D RoPE. The model's rotary module's values (each angle one float32 product, its
+        frequencies' position rows picked per style) in a few ops instead of its thirty."""
+        angles = positions.to(self.device).index_select(0, self._freq_axes).float()  # [half, M]: each one's row
+        angles = angles.t() * self.inv_freq  # [M, half]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def rope_signed(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rope` with rotate_half's sign folded into sin (its first half negated):
+        rotate_half(x) * sin == swap_halves(x) * signed sin, exactly (a sign flip commutes with *)."""
+        cos, sin = self.rope(positions, like)
+        return cos, sin * self._sin_sign.to(like.dtype)
 
     def _project(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
         """q [m, heads, d], k and v [m, kv_heads, d] of layer ``l`` for normed inputs ``x``;
-        ``sin_signed`` is :func:`_signed_sin` of the rows' sin."""
+        ``sin_signed`` is the rows' sin with rotate_half's sign folded in (:meth:`rope`)."""
         attn = self.layers[l].self_attn
         m = x.shape[0]
         w, b = self._qkv[l]
@@ -235,8 +255,8 @@ class ModelRunner:
     @torch.no_grad()
     def layer0_queries(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer-0 queries [m, heads, head_dim] of tokens with these inputs (for relevance scores)."""
-        cos, sin = self.rope(positions, embeds)
-        q, _, _ = self._project(0, self._norm(self.layers[0].input_layernorm, embeds), cos, _signed_sin(sin))
+        cos, sin = self.rope_signed(positions, embeds)
+        q, _, _ = self._project(0, self._norm(self.layers[0].input_layernorm, embeds), cos, sin)
         return q
 
     # ---- the layer loop ------------------------------------------------------------------------
@@ -245,8 +265,7 @@ class ModelRunner:
         """Run every layer over the batch's rows; returns float32 logits [num_seqs, vocab] of each
         sequence's last row."""
         h = batch.embeds.to(self.device, self.dtype).clone()
-        cos_all, sin_all = self.rope(batch.positions, h)
-        sin_all = _signed_sin(sin_all)
+        cos_all, sin_all = self.rope_signed(batch.positions, h)
         batch.captured = [None] * len(batch.captures)
         for l, layer in enumerate(self.layers):
             for hook in batch.before_layer:  # KV loading from a lower tier: wait for this layer's
