@@ -6,7 +6,10 @@ turn; ``branch``: sub-agents with their own system prompts over the same screens
 four agents do so at once. Measured from the client's side: TTFT (request sent -> first chunk),
 turn latency (-> the last chunk) and the aggregate turn and token rates. Every reply is
 ``--max-tokens`` tokens (``ignore_eos``), images are encoded to PNG data URLs before any timing,
-and every target is warmed up with an unrelated image first.
+and every target is warmed up with an unrelated image first. With ``--repeat R`` every (agent
+count, target) run is repeated R times, the targets interleaved and their order rotated each
+round (so a drift of the machine's speed over minutes falls on all of them alike); each figure is
+the median of its R runs.
 
 Targets:
 
@@ -19,7 +22,7 @@ Targets:
 On random weights reuse at any index is asked for explicitly (``--keep-image-order false`` in
 samcache serve, the engine and the plugin), as in ``samcache bench``.
 
-    python bench/bench_serve_http.py --preset small --agents 1,4 --threads 2 --out bench/out/serve-http
+    python bench/bench_serve_http.py --preset small --agents 1,4 --threads 2 --repeat 3 --out bench/out/serve-http
 """
 
 from __future__ import annotations
@@ -148,6 +151,33 @@ def summarize(records: list[dict], wall: float, steady_from: int) -> dict:
             "wall_s": wall}
 
 
+def run_target(target: str, n: int, model: str, traces, warm, urls, args, scratch: pathlib.Path,
+               steady_from: int) -> dict:
+    """One run of ``target`` with ``n`` agents on fresh caches (a new engine, a new server)."""
+    if target == "engine":
+        from samcache.engine import SAMcacheEngine
+
+        engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30, keep_image_order=False)
+        play_engine(engine, warm, args.max_tokens)
+        records, wall = play_engine(engine, traces, args.max_tokens)
+        del engine
+    else:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = launch(target, model, port, args, scratch)
+        try:
+            wait_healthy(url, proc, 900, scratch / f"{target}.log")
+            play_http(url, warm, urls, args.max_tokens)
+            records, wall = play_http(url, traces, urls, args.max_tokens)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return summarize(records, wall, steady_from=steady_from)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: build the random-weight --preset)")
@@ -163,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="runs per (agent count, target), interleaved; medians reported")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="results.json and the servers' logs (default bench/out/serve-http)")
     args = p.parse_args(argv)
@@ -188,36 +219,22 @@ def main(argv=None) -> int:
     steady_from = args.window if args.scenario == "gui" else 1
     results = {"model": args.model or f"random {args.preset}", "scenario": args.scenario, "turns": args.turns,
                "max_tokens": args.max_tokens, "threads": args.threads, "targets": {}}
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    runs: dict[str, dict[str, list[dict]]] = {target: {str(n): [] for n in counts} for target in targets}
+    for rep in range(args.repeat):
+        for n in counts:
+            for target in targets[rep % len(targets):] + targets[:rep % len(targets)]:
+                s = run_target(target, n, model, traces[n], warm, urls, args, scratch, steady_from)
+                runs[target][str(n)].append(s)
+                print(f"{target}, {n} agent(s), run {rep + 1}/{args.repeat}: TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, "
+                      f"p95 {s['ttft_p95_s'] * 1e3:.1f} ms; turn p50 {s['latency_p50_s'] * 1e3:.1f} ms; "
+                      f"{s['turns_per_s']:.2f} turns/s, {s['tokens_per_s']:.1f} tokens/s", flush=True)
     for target in targets:
-        print(f"{target}:", flush=True)
         out = results["targets"][target] = {}
         for n in counts:
-            if target == "engine":
-                from samcache.engine import SAMcacheEngine
-
-                engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30,
-                                        keep_image_order=False)
-                play_engine(engine, warm, args.max_tokens)
-                records, wall = play_engine(engine, traces[n], args.max_tokens)
-                del engine
-            else:  # a fresh server per agent count: nothing cached from the run before
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                proc = launch(target, model, port, args, scratch)
-                try:
-                    wait_healthy(url, proc, 900, scratch / f"{target}.log")
-                    play_http(url, warm, urls, args.max_tokens)
-                    records, wall = play_http(url, traces[n], urls, args.max_tokens)
-                finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-            s = out[str(n)] = summarize(records, wall, steady_from=steady_from)
-            print(f"  {n} agent(s): TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, p95 {s['ttft_p95_s'] * 1e3:.1f} ms; "
-                  f"turn p50 {s['latency_p50_s'] * 1e3:.1f} ms; {s['turns_per_s']:.2f} turns/s, "
-                  f"{s['tokens_per_s']:.1f} tokens/s", flush=True)
+            reps = runs[target][str(n)]
+            out[str(n)] = {k: statistics.median(r[k] for r in reps) for k in reps[0]} | {"runs": reps}
     t = results["targets"]
     ratios = {}
     for n in map(str, counts):

@@ -77,9 +77,12 @@ def url(data, mime="image/png"):
 LIMITS = dict(max_bytes=10_000, max_pixels=100 * 100, allowed_dirs=())
 
 
-def test_data_urls_decode_to_rgb_images():
+def test_data_urls_decode_to_read_only_rgb_arrays():
     im = load_image(url(png()), **LIMITS)
-    assert im.mode == "RGB" and im.size == (8, 8)
+    assert im.shape == (8, 8, 3) and im.dtype == np.uint8 and im.flags.c_contiguous
+    assert not im.flags.writeable  # a cached image is shared by every request sending it
+    with pytest.raises(ValueError):
+        im[0, 0, 0] = 1
 
 
 @pytest.mark.parametrize("bad, status, match", [
@@ -105,8 +108,8 @@ def test_local_files_only_inside_an_allowed_folder(tmp_path):
     (inside / "a.png").write_bytes(png())
     (tmp_path / "b.png").write_bytes(png())
     limits = dict(LIMITS, allowed_dirs=(inside.resolve(),))
-    assert load_image(str(inside / "a.png"), **limits).size == (8, 8)
-    assert load_image((inside / "a.png").as_uri(), **limits).size == (8, 8)
+    assert load_image(str(inside / "a.png"), **limits).shape == (8, 8, 3)
+    assert load_image((inside / "a.png").as_uri(), **limits).shape == (8, 8, 3)
     for outside in (str(tmp_path / "b.png"), str(inside / ".." / "b.png"), str(inside / "missing.png")):
         with pytest.raises(ApiError) as info:
             load_image(outside, **limits)
