@@ -22,7 +22,7 @@ import sys
 import tempfile
 import warnings
 
-from samcache.bench.op_count import OpCounter
+from samcache.bench.op_count import OpCounter, forward_phase
 
 
 def main(argv=None) -> int:
@@ -49,23 +49,12 @@ def main(argv=None) -> int:
                                      user_message(shown, "Which button should be clicked next?")], max_new_tokens=1)
 
     counter = OpCounter("before forward")
-    forward = engine.executor.forward
-
-    def counted_forward(steps):
-        counter.phase = "forward"
-        try:
-            return forward(steps)
-        finally:
-            counter.phase = "after forward"
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         turn("You operate a computer.", images)  # every image seen once
         turn("Warm-up: the screenshots again.", images[1:] + images[:1])
-        engine.executor.forward = counted_forward
-        with counter:
+        with forward_phase(engine, counter, after="after forward"), counter:
             r = turn("Step 7: the screenshots below are the latest, newest last.", images[::-1])
-        engine.executor.forward = forward
     layers = engine.runner.num_layers
     m = r.metrics
     phases = {}

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from samcache.bench.op_count import OpCounter  # noqa: E402
+from samcache.bench.op_count import OpCounter, forward_phase  # noqa: E402
 from samcache.engine import screenshot  # noqa: E402
 from samcache.engine.prompt import user_message  # noqa: E402
 
@@ -25,24 +25,11 @@ def counted_reuse_turn(engine):
                            max_new_tokens=1)
 
     counter = OpCounter("outside")
-    forward = engine.executor.forward
-
-    def counted(steps):
-        counter.phase = "forward"
-        try:
-            return forward(steps)
-        finally:
-            counter.phase = "outside"
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         turn("You operate a computer.", images)
-        engine.executor.forward = counted
-        try:
-            with counter:
-                result = turn("Step 2: the latest screenshots.", images[::-1])
-        finally:
-            engine.executor.forward = forward
+        with forward_phase(engine, counter, after="outside"), counter:
+            result = turn("Step 2: the latest screenshots.", images[::-1])
     return result, counter
 
 

@@ -9,6 +9,7 @@ depends on data (``nonzero`` and kin) are host synchronisations on a GPU; they a
 from __future__ import annotations
 
 import collections
+import contextlib
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,4 +34,24 @@ class OpCounter(TorchDispatchMode):
         return {k: v for k, v in sorted(self.counts[phase].items()) if k in SYNCING}
 
 
-__all__ = ["OpCounter", "SYNCING"]
+@contextlib.contextmanager
+def forward_phase(engine, counter: OpCounter, *, after: str):
+    """While active, the ops an ``engine``'s forward steps dispatch count under phase
+    ``"forward"`` of ``counter``, and what follows a step under ``after``."""
+    forward = engine.executor.forward
+
+    def counted(steps):
+        counter.phase = "forward"
+        try:
+            return forward(steps)
+        finally:
+            counter.phase = after
+
+    engine.executor.forward = counted
+    try:
+        yield counter
+    finally:
+        engine.executor.forward = forward
+
+
+__all__ = ["OpCounter", "SYNCING", "forward_phase"]
