@@ -74,6 +74,9 @@ def run(args) -> dict:
                          **({} if args.calibrate else {"recompute_budget": "uniform"})),
     }
     engines = {name: SAMcacheEngine(model, **common, **kw) for name, kw in modes.items()}
+    if args.unfused_layer:  # every engine runs the model's own norm and RoPE modules (an A/B of the kernels)
+        for engine in engines.values():
+            engine.runner.fused_norms = engine.runner.fused_rope = False
     if args.calibrate:
         engines["samcache"].calibrate(progress=False)
     results = {name: [] for name in modes}
@@ -169,6 +172,8 @@ def main(argv=None) -> None:
     p.add_argument("--fidelity-tokens", type=int, default=8)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--unfused-layer", action="store_true",
+                   help="the layer loop with the model's own norm and RoPE modules instead of samcache's fused kernels")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.threads:

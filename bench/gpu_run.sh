@@ -79,6 +79,9 @@ if [ -f "$CKPT/config.json" ]; then
   step bench-engine-7b 200 $PY bench/bench_engine.py --device cuda --model "$CKPT" --dtype bfloat16 --reps 3 \
     --no-calibrate --sweep 0 0.05 1 --kv-cache-mib 16384 --json "$LOG/engine-7b.json"
   step profile-engine-7b 120 $PY bench/profile_engine.py --device cuda --model "$CKPT" --dtype bfloat16 --kv-cache-mib 8192
+  # The same turns with the model's own norm and RoPE modules: what the fused layer kernels give.
+  step bench-engine-7b-unfused 150 $PY bench/bench_engine.py --device cuda --model "$CKPT" --dtype bfloat16 --reps 3 \
+    --no-calibrate --sweep 0.05 --kv-cache-mib 16384 --unfused-layer --json "$LOG/engine-7b-unfused.json"
 fi
 for b in kv_quant token_merge rope; do
   step "bench-$b" 60 $PY "bench/bench_$b.py" --device cuda
@@ -92,7 +95,7 @@ step bench-engine-tiny 90 $PY bench/bench_engine.py --device cuda --dtype bfloat
   echo "## tests"; sort "$LOG/tests/status.txt"
   for f in "$LOG"/tests/*.txt; do case $f in */status.txt) ;; *) tail -n 1 "$f" | sed "s|^|$(basename "$f" .txt): |";; esac; done
   grep -h -E "^(FAILED|ERROR)|Fatal Python error|Segmentation" "$LOG"/tests/*.txt | head -40
-  for s in bench-attention bench-paged_kv bench-engine-7b profile-engine-7b bench-kv_quant bench-token_merge bench-rope bench-engine-tiny; do
+  for s in bench-attention bench-paged_kv bench-engine-7b profile-engine-7b bench-engine-7b-unfused bench-kv_quant bench-token_merge bench-rope bench-engine-tiny; do
     [ -f "$LOG/$s.txt" ] && { echo; echo "## $s"; grep -v "^\s*$" "$LOG/$s.txt" | grep -v Warning | tail -40; }
   done
 } > "$OUT/summary.md" 2>&1
