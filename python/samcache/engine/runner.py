@@ -27,58 +27,13 @@ from samcache import ops
 from samcache.cache.block_pool import slot_ids
 from samcache.engine.batch import StepBatch
 from samcache.families import Family
+from samcache.engine.layer_parts import frequency_axes, fuse_linear, plain_rms_norm
 from samcache.engine.linear import linear
 from samcache.engine.vision import fast_vision
 from samcache.errors import UnsupportedModel
 
 
 _MLP_ROWS = 1024  # rows per MLP chunk: 1,024 x (2 x 768) float32 intermediates are 6 MB
-
-
-# Hugging Face RMS norms that compute exactly samcache's ``rms_norm`` (weight * x / rms, no offset).
-_PLAIN_RMS_NORMS = {"Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm",
-                    "Qwen3VLMoeTextRMSNorm", "LlamaRMSNorm"}
-
-
-def frequency_axes(style: str, mrope_section: Sequence[int], half: int) -> torch.Tensor:
-    """Which position row (0 = t, 1 = h, 2 = w) drives each of the ``half`` rotary frequencies:
-    Qwen2.5-VL's sections (t, then h, then w), Qwen3-VL's interleaving (h at 1, 4, 7... below
-    3 s_h, w at 2, 5, 8... below 3 s_w), row 0 for 1-D RoPE."""
-    axes = torch.zeros(half, dtype=torch.int64)
-    if style == "mrope":
-        s_t, s_h, _ = mrope_section
-        axes[s_t: s_t + s_h] = 1
-        axes[s_t + s_h:] = 2
-    elif style == "mrope_interleaved":
-        j = torch.arange(half)
-        axes[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-        axes[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    return axes
-
-
-def _plain_rms_norm(module: torch.nn.Module) -> bool:
-    return (type(module).__name__ in _PLAIN_RMS_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor)
-            and isinstance(getattr(module, "variance_epsilon", None), float))
-
-
-def _fuse(modules: list[torch.nn.Linear], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linear layers over the same input, the layers' own
-    parameters becoming views of it (done once per model; later calls find the views)."""
-    fused = getattr(modules[0], f"_samcache_{name}", None)
-    if fused is not None:
-        return fused
-    w = torch.cat([m.weight.data for m in modules])
-    biases = [m.bias for m in modules]
-    b = torch.cat([x.data for x in biases]) if all(x is not None for x in biases) else None
-    row = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight.data = w[row: row + n]
-        if b is not None:
-            m.bias.data = b[row: row + n]
-        row += n
-    modules[0].__dict__[f"_samcache_{name}"] = (w, b)
-    return w, b
 
 
 class ModelRunner:
@@ -129,13 +84,13 @@ class ModelRunner:
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else -1 for t in layer_types]
         # Fused projections: q/k/v of every layer, gate/up of dense MLPs.
-        self._qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], "qkv") for l in self.layers]
-        self._gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj], "gate_up") if hasattr(l.mlp, "gate_proj") else None
+        self._qkv = [fuse_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], "qkv") for l in self.layers]
+        self._gate_up = [fuse_linear([l.mlp.gate_proj, l.mlp.up_proj], "gate_up") if hasattr(l.mlp, "gate_proj") else None
                          for l in self.layers]
         # The layer loop's norms and its RoPE + KV write as one samcache kernel each (a few ops per
         # layer instead of about fifty: on a GPU each op is a launch) where the model's math is the
         # kernels' own; otherwise the model's modules.
-        self.fused_norms = all(_plain_rms_norm(m) for l in self.layers
+        self.fused_norms = all(plain_rms_norm(m) for l in self.layers
                                for m in (l.input_layernorm, l.post_attention_layernorm))
         self.fused_rope = not family.qk_norm and 2 * self.inv_freq.numel() == self.head_dim
         self.block_size = block_size
