@@ -9,7 +9,9 @@ turn latency (-> the last chunk) and the aggregate turn and token rates. Every r
 and every target is warmed up with an unrelated image first. With ``--repeat R`` every (agent
 count, target) run is repeated R times, the targets interleaved and their order rotated each
 round (so a drift of the machine's speed over minutes falls on all of them alike); each figure is
-the median of its R runs.
+the median of its R runs. ``--paired`` also plays one agent's trace through ``samcache serve``
+and in-process turn by turn, alternately (the fairest comparison of the two on a machine whose
+speed drifts by ~10% between runs).
 
 Targets:
 
@@ -141,6 +143,45 @@ def play_engine(engine, traces, max_tokens: int) -> tuple[list[dict], float]:
     return records, time.perf_counter() - start
 
 
+def play_paired(url: str, engine, trace, urls, max_tokens: int, steady_from: int) -> dict:
+    """One agent's trace twice over, turn by turn: through HTTP to the server, and in-process to
+    ``engine`` (which goes first alternates), so a drift of the machine's speed falls on both.
+    Returns each side's TTFT and turn-latency medians over the steady turns, and their ratios."""
+    import openai
+
+    from samcache.engine import ChatRequest
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    def http(turn) -> tuple[float, float]:
+        start, first = time.perf_counter(), None
+        for _ in client.chat.completions.create(model="m", messages=openai_messages(turn, urls.__getitem__),
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}):
+            if first is None:
+                first = time.perf_counter() - start
+        return first, time.perf_counter() - start
+
+    def in_process(turn) -> tuple[float, float]:
+        start = time.perf_counter()
+        r = engine.chat_batch([ChatRequest(messages=turn.resolved(), max_new_tokens=max_tokens, ignore_eos=True)])[0]
+        return r.metrics.ttft_s, time.perf_counter() - start
+
+    got: dict[str, list[tuple[float, float]]] = {"samcache-serve": [], "engine": []}
+    for t, turn in enumerate(trace.turns):
+        sides = [("samcache-serve", http), ("engine", in_process)]
+        for name, play in sides if t % 2 == 0 else sides[::-1]:
+            got[name].append(play(turn))
+    out = {}
+    for name, runs in got.items():
+        steady = runs[steady_from:] or runs
+        out[name] = {"ttft_p50_s": statistics.median(a for a, _ in steady),
+                     "latency_p50_s": statistics.median(b for _, b in steady)}
+    out["ttft_ratio"] = out["samcache-serve"]["ttft_p50_s"] / out["engine"]["ttft_p50_s"]
+    out["latency_ratio"] = out["samcache-serve"]["latency_p50_s"] / out["engine"]["latency_p50_s"]
+    return out
+
+
 def summarize(records: list[dict], wall: float, steady_from: int) -> dict:
     steady = [r for r in records if r["turn"] >= steady_from] or records
     ttft = sorted(r["ttft_s"] for r in steady)
@@ -194,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="runs per (agent count, target), interleaved; medians reported")
+    p.add_argument("--paired", action="store_true",
+                   help="also one agent's trace through samcache serve and in-process, turn by turn alternately")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="results.json and the servers' logs (default bench/out/serve-http)")
     args = p.parse_args(argv)
@@ -235,6 +278,30 @@ def main(argv=None) -> int:
         for n in counts:
             reps = runs[target][str(n)]
             out[str(n)] = {k: statistics.median(r[k] for r in reps) for k in reps[0]} | {"runs": reps}
+    if args.paired:
+        from samcache.engine import SAMcacheEngine
+
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = launch("samcache-serve", model, port, args, scratch)
+        try:
+            wait_healthy(url, proc, 900, scratch / "samcache-serve.log")
+            engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30, keep_image_order=False)
+            play_http(url, warm, urls, args.max_tokens)
+            play_engine(engine, warm, args.max_tokens)
+            paired = results["paired"] = play_paired(url, engine, traces[counts[0]][0], urls, args.max_tokens,
+                                                     steady_from)
+            del engine
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print(f"paired, one agent: serve TTFT p50 {paired['samcache-serve']['ttft_p50_s'] * 1e3:.1f} ms against "
+              f"{paired['engine']['ttft_p50_s'] * 1e3:.1f} ms in-process ({paired['ttft_ratio']:.2f}x); turn p50 "
+              f"{paired['samcache-serve']['latency_p50_s'] * 1e3:.1f} against {paired['engine']['latency_p50_s'] * 1e3:.1f} "
+              f"ms ({paired['latency_ratio']:.2f}x)", flush=True)
     t = results["targets"]
     ratios = {}
     for n in map(str, counts):
