@@ -9,9 +9,9 @@ turn latency (-> the last chunk) and the aggregate turn and token rates. Every r
 and every target is warmed up with an unrelated image first. With ``--repeat R`` every (agent
 count, target) run is repeated R times, the targets interleaved and their order rotated each
 round (so a drift of the machine's speed over minutes falls on all of them alike); each figure is
-the median of its R runs. ``--paired`` also plays one agent's trace through ``samcache serve``
-and in-process turn by turn, alternately (the fairest comparison of the two on a machine whose
-speed drifts by ~10% between runs).
+the median of its R runs. ``--paired`` also plays each agent count's traces through ``samcache
+serve`` and in-process round by round (turn t of every agent at once, then the other side),
+alternately: the fairest comparison of the two on a machine whose speed drifts between runs.
 
 Targets:
 
@@ -143,42 +143,55 @@ def play_engine(engine, traces, max_tokens: int) -> tuple[list[dict], float]:
     return records, time.perf_counter() - start
 
 
-def play_paired(url: str, engine, trace, urls, max_tokens: int, steady_from: int) -> dict:
-    """One agent's trace twice over, turn by turn: through HTTP to the server, and in-process to
-    ``engine`` (which goes first alternates), so a drift of the machine's speed falls on both.
-    Returns each side's TTFT and turn-latency medians over the steady turns, and their ratios."""
+def play_paired(url: str, engine, traces, urls, max_tokens: int, steady_from: int) -> dict:
+    """The agents' traces twice over, round by round: turn t of every agent through HTTP to the
+    server (the agents at once, each on its own connection), and the same turns in-process to
+    ``engine`` (``chat_batch``); which goes first alternates, so a drift of the machine's speed falls
+    on both. Returns each side's TTFT and round-time medians over the steady rounds, and ratios."""
     import openai
 
     from samcache.engine import ChatRequest
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) for _ in traces]
 
-    def http(turn) -> tuple[float, float]:
-        start, first = time.perf_counter(), None
-        for _ in client.chat.completions.create(model="m", messages=openai_messages(turn, urls.__getitem__),
-                                                max_tokens=max_tokens, temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True}):
-            if first is None:
-                first = time.perf_counter() - start
-        return first, time.perf_counter() - start
+    def http(turns) -> list[float]:
+        ttft = [0.0] * len(turns)
 
-    def in_process(turn) -> tuple[float, float]:
-        start = time.perf_counter()
-        r = engine.chat_batch([ChatRequest(messages=turn.resolved(), max_new_tokens=max_tokens, ignore_eos=True)])[0]
-        return r.metrics.ttft_s, time.perf_counter() - start
+        def agent(a: int) -> None:
+            start, first = time.perf_counter(), None
+            for _ in clients[a].chat.completions.create(model="m", messages=openai_messages(turns[a], urls.__getitem__),
+                                                        max_tokens=max_tokens, temperature=0, stream=True,
+                                                        extra_body={"ignore_eos": True}):
+                if first is None:
+                    first = time.perf_counter() - start
+            ttft[a] = first
 
-    got: dict[str, list[tuple[float, float]]] = {"samcache-serve": [], "engine": []}
-    for t, turn in enumerate(trace.turns):
+        threads = [threading.Thread(target=agent, args=(a,)) for a in range(len(turns))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return ttft
+
+    def in_process(turns) -> list[float]:
+        reqs = [ChatRequest(messages=turn.resolved(), max_new_tokens=max_tokens, ignore_eos=True) for turn in turns]
+        return [r.metrics.ttft_s for r in engine.chat_batch(reqs)]
+
+    got: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "round": []} for k in ("samcache-serve", "engine")}
+    for t in range(min(len(tr.turns) for tr in traces)):
+        turns = [tr.turns[t] for tr in traces]
         sides = [("samcache-serve", http), ("engine", in_process)]
         for name, play in sides if t % 2 == 0 else sides[::-1]:
-            got[name].append(play(turn))
-    out = {}
-    for name, runs in got.items():
-        steady = runs[steady_from:] or runs
-        out[name] = {"ttft_p50_s": statistics.median(a for a, _ in steady),
-                     "latency_p50_s": statistics.median(b for _, b in steady)}
+            start = time.perf_counter()
+            ttft = play(turns)
+            if t >= steady_from:
+                got[name]["ttft"] += ttft
+                got[name]["round"].append(time.perf_counter() - start)
+    out = {name: {"ttft_p50_s": statistics.median(v["ttft"]), "round_p50_s": statistics.median(v["round"])}
+           for name, v in got.items()}
+    out["agents"] = len(traces)
     out["ttft_ratio"] = out["samcache-serve"]["ttft_p50_s"] / out["engine"]["ttft_p50_s"]
-    out["latency_ratio"] = out["samcache-serve"]["latency_p50_s"] / out["engine"]["latency_p50_s"]
+    out["throughput_ratio"] = out["engine"]["round_p50_s"] / out["samcache-serve"]["round_p50_s"]
     return out
 
 
@@ -236,7 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="runs per (agent count, target), interleaved; medians reported")
     p.add_argument("--paired", action="store_true",
-                   help="also one agent's trace through samcache serve and in-process, turn by turn alternately")
+                   help="also the traces through samcache serve and in-process, round by round alternately")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--out", default=None, help="results.json and the servers' logs (default bench/out/serve-http)")
     args = p.parse_args(argv)
@@ -281,27 +294,30 @@ def main(argv=None) -> int:
     if args.paired:
         from samcache.engine import SAMcacheEngine
 
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = launch("samcache-serve", model, port, args, scratch)
-        try:
-            wait_healthy(url, proc, 900, scratch / "samcache-serve.log")
-            engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30, keep_image_order=False)
-            play_http(url, warm, urls, args.max_tokens)
-            play_engine(engine, warm, args.max_tokens)
-            paired = results["paired"] = play_paired(url, engine, traces[counts[0]][0], urls, args.max_tokens,
-                                                     steady_from)
-            del engine
-        finally:
-            proc.terminate()
+        results["paired"] = {}
+        for n in counts:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = launch("samcache-serve", model, port, args, scratch)
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        print(f"paired, one agent: serve TTFT p50 {paired['samcache-serve']['ttft_p50_s'] * 1e3:.1f} ms against "
-              f"{paired['engine']['ttft_p50_s'] * 1e3:.1f} ms in-process ({paired['ttft_ratio']:.2f}x); turn p50 "
-              f"{paired['samcache-serve']['latency_p50_s'] * 1e3:.1f} against {paired['engine']['latency_p50_s'] * 1e3:.1f} "
-              f"ms ({paired['latency_ratio']:.2f}x)", flush=True)
+                wait_healthy(url, proc, 900, scratch / "samcache-serve.log")
+                engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30,
+                                        keep_image_order=False)
+                play_http(url, warm, urls, args.max_tokens)
+                play_engine(engine, warm, args.max_tokens)
+                paired = results["paired"][str(n)] = play_paired(url, engine, traces[n], urls, args.max_tokens,
+                                                                 steady_from)
+                del engine
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            print(f"paired, {n} agent(s) round by round: serve TTFT p50 {paired['samcache-serve']['ttft_p50_s'] * 1e3:.1f} ms "
+                  f"against {paired['engine']['ttft_p50_s'] * 1e3:.1f} ms in-process ({paired['ttft_ratio']:.2f}x); round p50 "
+                  f"{paired['samcache-serve']['round_p50_s'] * 1e3:.1f} against {paired['engine']['round_p50_s'] * 1e3:.1f} ms "
+                  f"(throughput {paired['throughput_ratio']:.2f}x)", flush=True)
     t = results["targets"]
     ratios = {}
     for n in map(str, counts):
