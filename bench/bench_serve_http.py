@@ -30,6 +30,7 @@ samcache serve, the engine and the plugin), as in ``samcache bench``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -205,30 +206,41 @@ def summarize(records: list[dict], wall: float, steady_from: int) -> dict:
             "wall_s": wall}
 
 
+@contextlib.contextmanager
+def serving(target: str, model: str, args, scratch: pathlib.Path):
+    """``target``'s server on a free local port, healthy; yields its URL and stops it after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = launch(target, model, port, args, scratch)
+    try:
+        wait_healthy(url, proc, 900, scratch / f"{target}.log")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def in_process_engine(model: str, args):
+    from samcache.engine import SAMcacheEngine
+
+    return SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30, keep_image_order=False)
+
+
 def run_target(target: str, n: int, model: str, traces, warm, urls, args, scratch: pathlib.Path,
                steady_from: int) -> dict:
     """One run of ``target`` with ``n`` agents on fresh caches (a new engine, a new server)."""
     if target == "engine":
-        from samcache.engine import SAMcacheEngine
-
-        engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30, keep_image_order=False)
+        engine = in_process_engine(model, args)
         play_engine(engine, warm, args.max_tokens)
         records, wall = play_engine(engine, traces, args.max_tokens)
         del engine
     else:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = launch(target, model, port, args, scratch)
-        try:
-            wait_healthy(url, proc, 900, scratch / f"{target}.log")
+        with serving(target, model, args, scratch) as url:
             play_http(url, warm, urls, args.max_tokens)
             records, wall = play_http(url, traces, urls, args.max_tokens)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     return summarize(records, wall, steady_from=steady_from)
 
 
@@ -292,28 +304,15 @@ def main(argv=None) -> int:
             reps = runs[target][str(n)]
             out[str(n)] = {k: statistics.median(r[k] for r in reps) for k in reps[0]} | {"runs": reps}
     if args.paired:
-        from samcache.engine import SAMcacheEngine
-
         results["paired"] = {}
         for n in counts:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = launch("samcache-serve", model, port, args, scratch)
-            try:
-                wait_healthy(url, proc, 900, scratch / "samcache-serve.log")
-                engine = SAMcacheEngine(model, device="cpu", kv_cache_bytes=args.kv_cache_gib << 30,
-                                        keep_image_order=False)
+            with serving("samcache-serve", model, args, scratch) as url:
+                engine = in_process_engine(model, args)
                 play_http(url, warm, urls, args.max_tokens)
                 play_engine(engine, warm, args.max_tokens)
                 paired = results["paired"][str(n)] = play_paired(url, engine, traces[n], urls, args.max_tokens,
                                                                  steady_from)
                 del engine
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
             print(f"paired, {n} agent(s) round by round: serve TTFT p50 {paired['samcache-serve']['ttft_p50_s'] * 1e3:.1f} ms "
                   f"against {paired['engine']['ttft_p50_s'] * 1e3:.1f} ms in-process ({paired['ttft_ratio']:.2f}x); round p50 "
                   f"{paired['samcache-serve']['round_p50_s'] * 1e3:.1f} against {paired['engine']['round_p50_s'] * 1e3:.1f} ms "
