@@ -119,3 +119,27 @@ def test_rope_tables_are_the_rotary_modules_bits(tiny_checkpoints, family, dtype
     cos, sin = runner.rope(positions, like)
     assert cos.dtype == sin.dtype == dtype
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+def test_frequency_axes_rows_and_bad_input():
+    from samcache.engine.layer_parts import frequency_axes
+
+    assert frequency_axes("mrope", [2, 1, 1], 4).tolist() == [0, 0, 1, 2]
+    assert frequency_axes("mrope_interleaved", [2, 1, 1], 4).tolist() == [0, 1, 2, 0]
+    assert frequency_axes("neox", [], 3).tolist() == [0, 0, 0]
+    for args, match in ((("yarn", [], 4), "unknown RoPE style"), (("mrope", [2, 1], 4), "summing to 4"),
+                        (("mrope", [2, 2, 2], 4), "summing to 4"), (("mrope", [5, -1, 0], 4), "counts >= 0"),
+                        (("neox", [], 0), "half"), (("neox", [], True), "half")):
+        with pytest.raises(ValueError, match=match):
+            frequency_axes(*args)
+
+
+def test_forward_phase_refuses_what_is_not_a_counter():
+    from samcache.bench.op_count import forward_phase
+
+    with pytest.raises(TypeError, match="OpCounter"):
+        with forward_phase(object(), {}, after="x"):
+            pass
+    with pytest.raises(TypeError, match="phase name"):
+        with forward_phase(object(), OpCounter(), after=3):
+            pass

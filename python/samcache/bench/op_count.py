@@ -38,6 +38,10 @@ class OpCounter(TorchDispatchMode):
 def forward_phase(engine, counter: OpCounter, *, after: str):
     """While active, the ops an ``engine``'s forward steps dispatch count under phase
     ``"forward"`` of ``counter``, and what follows a step under ``after``."""
+    if not isinstance(counter, OpCounter):
+        raise TypeError(f"counter must be an OpCounter, got {type(counter).__name__}")
+    if not isinstance(after, str):
+        raise TypeError(f"after must be a phase name (str), got {type(after).__name__}")
     forward = engine.executor.forward
 
     def counted(steps):

@@ -17,15 +17,25 @@ def frequency_axes(style: str, mrope_section: Sequence[int], half: int) -> torch
     """Which position row (0 = t, 1 = h, 2 = w) drives each of the ``half`` rotary frequencies:
     Qwen2.5-VL's sections (t, then h, then w), Qwen3-VL's interleaving (h at 1, 4, 7... below
     3 s_h, w at 2, 5, 8... below 3 s_w), row 0 for 1-D RoPE."""
+    from samcache.ops.rope import MROPE_STYLES, STYLES
+
+    if style not in STYLES:
+        raise ValueError(f"unknown RoPE style {style!r}; one of {', '.join(STYLES)}")
+    if isinstance(half, bool) or not isinstance(half, int) or half < 1:
+        raise ValueError(f"half (rotary frequencies) must be an int >= 1, got {half!r}")
+    section = [int(x) for x in mrope_section]
+    if style in MROPE_STYLES and (len(section) != 3 or min(section) < 0 or sum(section) != half):
+        raise ValueError(f"RoPE style {style!r} needs mrope_section of 3 counts >= 0 summing to {half} "
+                         f"(the rotary frequencies), got {section}")
     axes = torch.zeros(half, dtype=torch.int64)
     if style == "mrope":
-        s_t, s_h, _ = mrope_section
+        s_t, s_h, _ = section
         axes[s_t: s_t + s_h] = 1
         axes[s_t + s_h:] = 2
     elif style == "mrope_interleaved":
         j = torch.arange(half)
-        axes[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-        axes[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+        axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
     return axes
 
 
