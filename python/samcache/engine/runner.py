@@ -75,12 +75,11 @@ class ModelRunner:
                 "re-rotating cached keys assumes plain (M-)RoPE"
             )
         self.inv_freq = rotary.inv_freq.detach().float().to(device)
-        half = self.inv_freq.numel()
-        self._sin_sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device)
-        self._freq_axes = frequency_axes(family.rope_style, [int(x) for x in getattr(rotary, "mrope_section", [])],
-                                         self.inv_freq.numel()).to(device)
         # Positions are [3, N] everywhere in the engine; 1-D RoPE families rotate by row 0.
         self.mrope_section = [int(s) for s in rotary.mrope_section] if family.mrope else []
+        half = self.inv_freq.numel()
+        self._freq_axes = frequency_axes(family.rope_style, self.mrope_section, half).to(device)
+        self._sin_sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device, dtype)  # rotate_half's sign
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else -1 for t in layer_types]
         # Fused projections: q/k/v of every layer, gate/up of dense MLPs.
@@ -242,6 +241,7 @@ class ModelRunner:
                 x, cos, sin = h.index_select(0, rows), cos_all.index_select(0, rows), sin_all.index_select(0, rows)
             attn = layer.self_attn
             normed = self._norm(layer.input_layernorm, x)
+            k_cache, v_cache = self._layer_caches[l]
             if batch.select_jobs:  # a repair method picks the later layers' rows from this layer's keys
                 q, k, v = self._project(l, normed, cos, sin)
 
@@ -250,10 +250,9 @@ class ModelRunner:
 
                 # The cached keys are read before this layer's write overwrites them.
                 batch.select(l, fresh, lambda job, l=l: self.layer_keys(l, job.slots))
-                ops.paged_write(k, v, *self._layer_caches[l], sub.slots)
+                ops.paged_write(k, v, k_cache, v_cache, sub.slots)
             else:
                 q = self._attention_inputs(l, normed, cos, sin, sub.slots)
-            k_cache, v_cache = self._layer_caches[l]
             out, _ = ops.sparse_attention(q, sub.meta, k_cache, v_cache, scale=float(attn.scaling),
                                           window=self.windows[l])
             attended = linear(out.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
