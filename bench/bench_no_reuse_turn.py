@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.turns < 2 or args.warmup < 0:
+        p.error("--turns must be >= 2 (quartiles are reported) and --warmup >= 0")
     from samcache.tasks.checkpoint import isolated_model, trained_model
 
     results = {}
