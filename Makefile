@@ -18,7 +18,7 @@ venv: .venv/.ready
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > .venv/constraints.txt
 	$(PIP) -c .venv/constraints.txt "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy xxhash pillow tqdm \
 	  pytest pytest-xdist hypothesis "transformers==5.23.0" tokenizers safetensors matplotlib zstandard "peft==0.21.2" \
-	  "fastapi==0.136.3" "uvicorn==0.55.0" "prometheus_client==0.26.0" "openai==3.63.0" \
+	  "fastapi==0.136.3" "uvicorn==0.55.0" "prometheus_client==0.26.0" "pyspng==0.1.4" "openai==3.63.0" \
 	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" "redis>=5" "triton==3.6.0"
 	$(PIP) --no-deps nvidia-cutlass==4.2.0.0  # CuTe headers for the CUDA kernels
 	touch $@

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     runs: dict[str, dict[str, list[dict]]] = {target: {str(n): [] for n in counts} for target in targets}
-    for rep in range(args.repeat):
+    for rep in range(args.repeat if targets else 0):  # --targets "": the paired runs only
         for n in counts:
             for target in targets[rep % len(targets):] + targets[:rep % len(targets)]:
                 s = run_target(target, n, model, traces[n], warm, urls, args, scratch, steady_from)

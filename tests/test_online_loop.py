@@ -235,3 +235,51 @@ def test_prepared_requests_are_built_in_the_callers_thread_and_answer_as_the_pla
     with pytest.raises(ValueError, match="either messages"):
         engine.prepare(ChatRequest(messages=[user_message([], "hi")], prompt="also"))
     assert_clean(engine)
+
+
+def test_announced_requests_start_in_one_prefill_step_and_a_lone_one_is_not_held(path):
+    """Requests announced together (a server announces each as it arrives, before parsing it) are
+    prefilled in one step even when submitted apart; a request with nothing else announced, or
+    whose announcements were released, starts at once; an announcement never released holds the
+    idle loop no longer than gather_s."""
+    engine = make_engine(path)
+    alone = make_engine(path, share_weights_with=engine)
+    reqs = [request(80 + i, tokens=3) for i in range(3)]
+    expected = [alone.chat(**vars(r)).token_ids for r in reqs]
+    rows_per_step = []
+    real = engine.executor.forward
+    engine.executor.forward = lambda s: rows_per_step.append([int(x.rows.size) for x in s]) or real(s)
+    loop = engine.start_online(gather_s=10)
+    try:
+        arrivals = [loop.announce() for _ in reqs]
+        first = loop.submit(reqs[0], arrival=arrivals[0])
+        late = []
+        submitter = threading.Timer(0.5, lambda: late.extend(loop.submit(r, arrival=a)
+                                                             for r, a in zip(reqs[1:], arrivals[1:])))
+        submitter.start()
+        got = [first.result(60).token_ids]
+        submitter.join()
+        got += [h.result(60).token_ids for h in late]
+        assert got == expected
+        # One prefill step for all three (then two decode steps), after waiting for the late two.
+        assert len(rows_per_step) == 3 and len(rows_per_step[0]) == 3 and min(rows_per_step[0]) > 1
+        assert 0.4 < loop.gathered_s < 10
+
+        held = loop.gathered_s
+        loop.announce().release()  # a request refused before its submission
+        assert loop.submit(request(90, tokens=2)).result(60).token_ids  # nothing else announced: not held
+        assert loop.gathered_s - held < 0.2
+
+        stray = loop.announce()  # never submitted nor released (its client still uploading)
+        loop.gather_s = 0.3
+        held = loop.gathered_s
+        assert loop.submit(request(91, tokens=2)).result(60).token_ids
+        assert 0.25 < loop.gathered_s - held < 5
+        stray.release()
+        stray.release()  # once only
+        assert loop._announced == 0
+    finally:
+        loop.stop()
+    assert_clean(engine)
+    with pytest.raises(ValueError, match="gather_s"):
+        make_engine(path).start_online(gather_s=-1)

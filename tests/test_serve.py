@@ -91,7 +91,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     s = Server("--max-model-len", str(MAX_LEN), "--max-images-per-request", "6", "--max-image-bytes", "300000",
-               "--max-image-pixels", "1000000")
+               "--max-image-pixels", "1000000", "--batch-wait-ms", "5000")
     yield s
     s.stop()
 
@@ -180,6 +180,45 @@ def test_sync_async_and_streamed_replies_equal_the_engine_in_process(server, eng
     assert asyncio.run(async_reply()) == want
     models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
+
+
+def test_requests_sent_together_are_prefilled_in_one_step(server):
+    """The server announces each chat request as its headers arrive, before its body is read and
+    parsed: four whose bodies are still on the way when the first is submitted are prefilled in
+    one step with it. Every announcement comes back, so a lone request after them is not held
+    (the server waits up to --batch-wait-ms 5000)."""
+    trace = traces(4, turns=1)
+    bodies = [json.dumps({"model": NAME, "messages": openai_messages(t[0].messages), "max_tokens": 3,
+                          "temperature": 0, "ignore_eos": True}).encode() for t in trace]
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    sent_headers = threading.Barrier(len(trace))
+    replies = [None] * len(trace)
+
+    def send(i):
+        def body():  # the headers and a first piece, then the rest once every request's headers are out
+            yield bodies[i][:10]
+            sent_headers.wait()
+            time.sleep(0.3 + 0.05 * i)  # the server has seen every request's headers; request 0 completes first
+            yield bodies[i][10:]
+
+        replies[i] = httpx.post(server.url + "/v1/chat/completions", content=body(), headers=headers, timeout=120)
+
+    before = server.metrics()
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(trace))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    together = server.metrics()
+    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in replies)
+    assert together["samcache_steps_total"] - before["samcache_steps_total"] == 3  # one prefill step, two decodes
+    assert 0 < together["samcache_batch_wait_seconds_total"] - before["samcache_batch_wait_seconds_total"] < 4
+    lone = server.client().chat.completions.create(model=NAME, messages=openai_messages(trace[0][0].messages),
+                                                   max_tokens=2, temperature=0)
+    assert lone.usage.completion_tokens >= 1
+    after = server.metrics()
+    assert after["samcache_batch_wait_seconds_total"] - together["samcache_batch_wait_seconds_total"] < 1
 
 
 def test_stop_strings_cut_the_reply_where_the_engine_would_have_gone_on(server, engine):

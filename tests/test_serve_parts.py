@@ -85,6 +85,46 @@ def test_data_urls_decode_to_read_only_rgb_arrays():
         im[0, 0, 0] = 1
 
 
+def encoded(image, **save) -> bytes:
+    b = io.BytesIO()
+    (image if isinstance(image, Image.Image) else Image.fromarray(image)).save(b, format="PNG", **save)
+    return b.getvalue()
+
+
+def test_every_png_kind_decodes_to_pillows_pixels_and_rgb8_takes_libspng(monkeypatch):
+    """8-bit RGB PNGs (with or without a transparent colour) go to libspng; grey, palette, RGBA
+    and 16-bit ones to Pillow; each gives exactly what Pillow's RGB conversion gives."""
+    import samcache.serve.images as images
+
+    pyspng = pytest.importorskip("pyspng")
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 256, (23, 41, 3), dtype=np.uint8)
+    kinds = {  # name: (PNG bytes, decoded by libspng)
+        "rgb8": (encoded(rgb), True),
+        "rgb8 tRNS": (encoded(rgb, transparency=(1, 2, 3)), True),
+        "grey": (encoded(rgb[..., 0]), False),
+        "rgba": (encoded(np.dstack([rgb, rgb[..., :1]])), False),
+        "palette": (encoded(Image.fromarray(rgb).quantize(16)), False),
+        "grey16": (encoded(rgb[..., 0].astype(np.uint16) * 257), False),
+    }
+    calls = []
+    monkeypatch.setattr(images, "pyspng", type("Spy", (), {"load": staticmethod(
+        lambda data, format: calls.append(format) or pyspng.load(data, format=format))}))
+    for name, (data, fast) in kinds.items():
+        calls.clear()
+        with Image.open(io.BytesIO(data)) as im:
+            want = np.asarray(im.convert("RGB"))
+        got = load_image(url(data), max_bytes=1 << 20, max_pixels=1 << 20, allowed_dirs=())
+        assert got.dtype == np.uint8 and got.shape == want.shape and not got.flags.writeable, name
+        assert np.array_equal(got, want), name
+        assert calls == (["RGB"] if fast else []), name
+    with pytest.raises(ApiError, match="cannot be decoded") as info:  # libspng's error, as Pillow's
+        load_image(url(kinds["rgb8"][0][:-30]), max_bytes=1 << 20, max_pixels=1 << 20, allowed_dirs=())
+    assert info.value.status == 400
+    monkeypatch.setattr(images, "pyspng", None)  # without libspng: Pillow, the same pixels
+    assert np.array_equal(load_image(url(kinds["rgb8"][0]), max_bytes=1 << 20, max_pixels=1 << 20, allowed_dirs=()), rgb)
+
+
 @pytest.mark.parametrize("bad, status, match", [
     (url(b"not an image"), 400, "cannot be decoded"),
     ("data:image/png;base64,@@", 400, "base64"),

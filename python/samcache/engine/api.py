@@ -809,17 +809,19 @@ class SAMcacheEngine:
             self._warned_uniform = True
 
     # ---- online serving -----------------------------------------------------------------------
-    def start_online(self, *, max_model_len: int | None = None) -> "OnlineLoop":
+    def start_online(self, *, max_model_len: int | None = None, gather_s: float = 0.1) -> "OnlineLoop":
         """Serve from a background step loop (:class:`samcache.engine.online.OnlineLoop`):
         requests submitted from any thread or coroutine join the running batch at the next step
         and stream their tokens; ``chat`` and ``chat_batch`` from other threads go through it too.
-        ``max_model_len`` bounds a request's prompt and reply together. Returns the loop (started
-        once; :meth:`OnlineLoop.stop` ends it)."""
+        ``max_model_len`` bounds a request's prompt and reply together; ``gather_s``: how long an
+        idle loop holds its first step for requests announced to it (``OnlineLoop.announce``).
+        Returns the loop (started once; :meth:`OnlineLoop.stop` ends it)."""
         from samcache.engine.online import OnlineLoop
 
         with self._lock:
             if self._online is None or not self._online.running:
-                self._online = OnlineLoop(self, request_type=(ChatRequest, PreparedChat), max_model_len=max_model_len)
+                self._online = OnlineLoop(self, request_type=(ChatRequest, PreparedChat), max_model_len=max_model_len,
+                                          gather_s=gather_s)
                 self._online.start()
             return self._online
 

@@ -9,6 +9,12 @@ went away) is dropped, and its blocks freed, at the next step. The engine's lock
 step at a time, so ``chat`` and ``chat_batch`` called from other threads meanwhile join the same
 loop (``SAMcacheEngine._serve`` routes them here) instead of waiting for it to drain.
 
+Requests sent together should share one prefill step, as ``chat_batch`` gives them: a server
+:meth:`announces <OnlineLoop.announce>` each request as it arrives, before its body is parsed and
+its images decoded, and an idle loop that takes a request holds its first step until the announced
+ones are submitted too (at most ``gather_s``). A lone request is never held: nothing else is
+announced.
+
 Outputs equal serving each request alone: a request's rows in a step are computed as they would be
 alone (the step loop's invariant), whoever shares the step.
 """
@@ -51,6 +57,20 @@ class RequestHandle:
         return self.future.result(timeout)
 
 
+class Arrival:
+    """A request announced to the loop (:meth:`OnlineLoop.announce`) and not yet submitted.
+    :meth:`release` (idempotent) says it will not keep the loop waiting any longer: it was
+    submitted, or it failed before that."""
+
+    def __init__(self, loop: "OnlineLoop") -> None:
+        self._loop: OnlineLoop | None = loop
+
+    def release(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop._arrived()
+
+
 @dataclass(eq=False)
 class _Live:
     handle: RequestHandle
@@ -63,11 +83,17 @@ class OnlineLoop:
     """The step loop of ``engine`` in a background thread (``engine.start_online()`` makes one)."""
 
     def __init__(self, engine, *, request_type: type | tuple = object, max_model_len: int | None = None,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, gather_s: float = 0.1) -> None:
         self.engine = engine
         self.request_type = request_type  # what submit() takes (the engine's ChatRequest and PreparedChat)
         self.max_model_len = None if max_model_len is None else check_int("max_model_len", max_model_len, 2)
+        if isinstance(gather_s, bool) or not isinstance(gather_s, (int, float)) or not 0 <= gather_s <= 10:
+            raise ValueError(f"gather_s must be a number of seconds in [0, 10], got {gather_s!r}")
         self.poll_s = poll_s
+        self.gather_s = float(gather_s)
+        self._announced = 0  # requests on their way (announce() minus releases)
+        self._announcing = threading.Condition()
+        self.gathered_s = 0.0  # time an idle loop held its first step for announced requests, in all
         self._inbox: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._live: list[_Live] = []
         self._thread: threading.Thread | None = None
@@ -97,14 +123,36 @@ class OnlineLoop:
         self._thread = threading.Thread(target=self._run, name="samcache-step-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request, on_token: Callable[[int], bool | None] | None = None, *, fill: bool = False
-               ) -> RequestHandle:
+    def announce(self) -> Arrival:
+        """Announce a request on its way (its body still being read, parsed or prepared elsewhere).
+        An idle loop that takes a request waits, up to ``gather_s``, until every announced request
+        is submitted or released, so requests sent together share their prefill step. Pass the
+        result to :meth:`submit` (which releases it), or release it where the request fails."""
+        with self._announcing:
+            self._announced += 1
+        return Arrival(self)
+
+    def _arrived(self) -> None:
+        with self._announcing:
+            self._announced -= 1
+            self._announcing.notify_all()
+
+    def submit(self, request, on_token: Callable[[int], bool | None] | None = None, *, fill: bool = False,
+               arrival: Arrival | None = None) -> RequestHandle:
         """Queue ``request`` (a ``ChatRequest``, or a ``PreparedChat``: its prompt built beforehand,
         in the caller's thread, by ``engine.prepare``; else it is built here, on the loop's thread,
         between two steps); it joins the running batch at the next step.
         ``on_token(token_id)`` is called from the loop's thread with each sampled token; a true
         return ends the request there (finish reason "stop"). ``fill``: decode until the prompt and
-        reply reach ``max_model_len`` (or an end token)."""
+        reply reach ``max_model_len`` (or an end token). ``arrival``: this request's announcement,
+        released once it is queued (or refused)."""
+        try:
+            return self._submit(request, on_token, fill)
+        finally:
+            if arrival is not None:
+                arrival.release()
+
+    def _submit(self, request, on_token, fill: bool) -> RequestHandle:
         if not isinstance(request, self.request_type):
             kinds = self.request_type if isinstance(self.request_type, tuple) else (self.request_type,)
             raise TypeError(f"submit takes a {' or '.join(k.__name__ for k in kinds)}, got {type(request).__name__}")
@@ -195,13 +243,27 @@ class OnlineLoop:
                 engine._after_turns([])
 
     def _take(self, wait: bool) -> list[RequestHandle]:
+        """What the inbox holds; ``wait`` (the loop is idle): wait for a request first, then for the
+        requests announced meanwhile (up to ``gather_s``), so a burst starts in one step."""
         got = []
         if wait:
             try:
                 got.append(self._inbox.get(timeout=self.poll_s))
             except queue.Empty:
                 return []
+            self._gather()
         return got + self._drain()
+
+    def _gather(self) -> None:
+        start = time.perf_counter()
+        deadline = start + self.gather_s
+        with self._announcing:
+            while self._announced > 0 and not self._stopping.is_set():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._announcing.wait(left)
+        self.gathered_s += time.perf_counter() - start
 
     def _drain(self) -> list[RequestHandle]:
         got = []
@@ -278,4 +340,4 @@ class OnlineLoop:
             pass
 
 
-__all__ = ["LoopStopped", "OnlineLoop", "RequestHandle"]
+__all__ = ["Arrival", "LoopStopped", "OnlineLoop", "RequestHandle"]

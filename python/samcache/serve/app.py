@@ -45,7 +45,8 @@ class ServeSettings:
     """``served_model_name``: the name requests must give; ``max_model_len``: prompt and reply
     tokens together; ``api_key``: required as a bearer token on /v1 (None: open);
     ``shutdown_timeout_s``: how long in-flight requests may finish on shutdown; ``max_sessions``:
-    open sessions at most (:mod:`samcache.serve.sessions`)."""
+    open sessions at most (:mod:`samcache.serve.sessions`); ``batch_wait_s``: how long an idle loop
+    holds its first step for requests that arrived and are still being parsed (:class:`AnnounceChats`)."""
 
     served_model_name: str
     max_model_len: int
@@ -53,6 +54,32 @@ class ServeSettings:
     limits: MediaLimits = field(default_factory=MediaLimits)
     shutdown_timeout_s: float = 30.0
     max_sessions: int = 256
+    batch_wait_s: float = 0.1
+
+
+class AnnounceChats:
+    """ASGI middleware: each chat-completions request is announced to the online loop as its
+    headers arrive (:meth:`OnlineLoop.announce`), before its body is read, parsed and its images
+    decoded, so that an idle loop starts requests sent together in one prefill step. The endpoint
+    releases the announcement once it submits the request; the response's end releases it
+    whatever happened (a refused or failed request)."""
+
+    def __init__(self, app, state: dict) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        loop = self.state.get("loop")
+        if (loop is None or scope["type"] != "http" or scope["method"] != "POST"
+                or scope["path"] != "/v1/chat/completions"):
+            await self.app(scope, receive, send)
+            return
+        arrival = loop.announce()
+        scope.setdefault("state", {})["samcache_arrival"] = arrival
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            arrival.release()
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -87,8 +114,8 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["loop"] = engine.start_online(max_model_len=settings.max_model_len)
-        state["metrics"] = ServerMetrics(engine, lambda: state["loop"].live)
+        state["loop"] = engine.start_online(max_model_len=settings.max_model_len, gather_s=settings.batch_wait_s)
+        state["metrics"] = ServerMetrics(engine, state["loop"])
         yield
         # In-flight requests finish (or are cancelled past the timeout); the tiers are flushed.
         loop = state["loop"]
@@ -98,6 +125,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
               + "; nothing in flight, the tiers flushed", flush=True)
 
     app = FastAPI(title="samcache", lifespan=lifespan)
+    app.add_middleware(AnnounceChats, state=state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -159,6 +187,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, http: Request):
+        arrival = http.scope.get("state", {}).get("samcache_arrival")  # AnnounceChats's; submit releases it
         check_model(body.model)
         fill = body.max_tokens is None and body.max_completion_tokens is None
         if body.fork_of is not None and body.session is None:
@@ -168,8 +197,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
             turn = await asyncio.to_thread(sessions.begin, body.session, body.messages, tenant=body.tenant,
                                            fork_of=body.fork_of)
         try:  # images decoded and hashed, text tokenized: off the event loop and the step loop's thread
-            request = await asyncio.to_thread(chat_request, body, settings.limits, turn)
-            request = await asyncio.to_thread(engine.prepare, request)
+            request = await asyncio.to_thread(lambda: engine.prepare(chat_request(body, settings.limits, turn)))
         except Exception as e:  # noqa: BLE001 - this request's bad input, as an HTTP error
             if turn is not None:
                 await asyncio.to_thread(sessions.finish, turn, body.messages, None, False)
@@ -192,7 +220,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
         # The text is followed token by token only where it is streamed or searched for stops.
         follow = streaming or bool(text.stops)
         try:
-            handle = state["loop"].submit(request, on_token if follow else None, fill=fill)
+            handle = state["loop"].submit(request, on_token if follow else None, fill=fill, arrival=arrival)
         except LoopStopped as e:
             if turn is not None:
                 await asyncio.to_thread(sessions.finish, turn, body.messages, None, False)

@@ -3,7 +3,9 @@ local files), decoded under the server's limits. The server fetches nothing from
 
 An image is handed to the engine as a read-only HxWx3 uint8 array, the form the engine reads
 without a copy (a PIL image costs a conversion every time it is used: ~6 ms for a 1280x720
-screenshot, per image and turn, while an agent re-sends the same screenshots every turn)."""
+screenshot, per image and turn, while an agent re-sends the same screenshots every turn). An 8-bit
+RGB PNG, what a screenshot is, is decoded by libspng (``pyspng``, part of the ``serve`` extra) where
+it is installed: about twice as fast as Pillow, the same pixels; everything else by Pillow."""
 
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ import xxhash
 from PIL import Image
 
 from samcache.serve.errors import ApiError
+
+try:
+    import pyspng
+except ImportError:  # Pillow decodes every image
+    pyspng = None
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class DecodedImages:
@@ -116,13 +125,21 @@ def _decode(data: bytes, max_pixels: int) -> np.ndarray:
             w, h = im.size
             if w * h > max_pixels:  # checked before the pixels are decoded: no decompression bomb
                 raise ApiError(413, f"the image is {w}x{h} pixels, more than the server's limit of {max_pixels}")
-            pixels = np.asarray(im.convert("RGB"))  # a fresh array the server owns
+            if pyspng is not None and _rgb8_png(data):
+                pixels = pyspng.load(data, format="RGB")
+            else:
+                pixels = np.asarray(im.convert("RGB"))  # a fresh array the server owns
             pixels.flags.writeable = False  # shared by every request that sends it: nobody may change it
             return pixels
     except ApiError:
         raise
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
+    except (OSError, ValueError, RuntimeError, Image.DecompressionBombError) as e:  # RuntimeError: pyspng's
         raise ApiError(400, f"the image cannot be decoded: {e}") from None
+
+
+def _rgb8_png(data: bytes) -> bool:
+    """A PNG whose header (IHDR, always the first chunk) says 8 bits per sample, colour type 2 (RGB)."""
+    return len(data) > 26 and data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR" and data[24] == 8 and data[25] == 2
 
 
 __all__ = ["DecodedImages", "load_image"]

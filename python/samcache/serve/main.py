@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=256,
                    help="open sessions at most (extra_body session / fork_of); the least recently used idle one "
                         "is closed to make room")
+    p.add_argument("--batch-wait-ms", type=float, default=100.0,
+                   help="how long an idle server holds its first step for requests that have arrived but are still "
+                        "being read or parsed, so requests sent together are prefilled in one step (default 100; "
+                        "0: never; a lone request is never held)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -78,8 +82,11 @@ def build(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'image_decode_cache_bytes' else 1}")
     if args.max_sessions < 1:
         raise ValueError("--max-sessions must be >= 1")
+    if not 0 <= args.batch_wait_ms <= 10_000:
+        raise ValueError(f"--batch-wait-ms {args.batch_wait_ms}: must be between 0 and 10000")
     settings = ServeSettings(served_model_name=args.served_model_name or args.model, max_model_len=max_len,
                              api_key=args.api_key, max_sessions=args.max_sessions,
+                             batch_wait_s=args.batch_wait_ms / 1e3,
                              limits=MediaLimits(args.max_images_per_request, args.max_image_bytes,
                                                 args.max_image_pixels, tuple(dirs),
                                                 DecodedImages(args.image_decode_cache_bytes)))

@@ -6,7 +6,7 @@ the running requests are read from the engine when scraped."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from samcache.engine.metrics import TurnMetrics
 
@@ -25,9 +25,10 @@ TOKEN_COUNTERS = {  # metric name -> (TurnMetrics field, help)
 
 
 class ServerMetrics:
-    """The metrics of one server over ``engine`` (its memory read between two steps when scraped)."""
+    """The metrics of one server over ``engine`` and its online ``loop`` (the engine's memory read
+    between two steps when scraped)."""
 
-    def __init__(self, engine, live_requests) -> None:
+    def __init__(self, engine, loop) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("samcache_requests", "Requests answered, by outcome", ["outcome"],
                                 registry=self.registry)
@@ -37,7 +38,7 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tokens = {name: Counter(f"samcache_{name}", help_, registry=self.registry)
                        for name, (_, help_) in TOKEN_COUNTERS.items()}
-        self.registry.register(_EngineState(engine, live_requests))
+        self.registry.register(_EngineState(engine, loop))
 
     def finished(self, metrics: TurnMetrics) -> None:
         self.requests.labels("ok").inc()
@@ -56,9 +57,9 @@ class ServerMetrics:
 class _EngineState:
     """Gauges read from the engine at scrape time."""
 
-    def __init__(self, engine, live_requests) -> None:
+    def __init__(self, engine, loop) -> None:
         self.engine = engine
-        self.live_requests = live_requests
+        self.loop = loop
 
     def describe(self):
         return []
@@ -80,7 +81,10 @@ class _EngineState:
         yield GaugeMetricFamily("samcache_image_kv_records", "Images whose KV the pool holds for reuse (one sequence "
                                 "each)", value=image_records)
         yield GaugeMetricFamily("samcache_running_requests", "Requests admitted and not finished",
-                                value=self.live_requests())
+                                value=self.loop.live)
+        yield CounterMetricFamily("samcache_steps", "Forward steps of the step loop", value=self.loop.steps)
+        yield CounterMetricFamily("samcache_batch_wait_seconds", "Time an idle loop held its first step for requests "
+                                  "still being parsed (--batch-wait-ms)", value=self.loop.gathered_s)
         tier = GaugeMetricFamily("samcache_tier", "Each tier's counters and occupancy (engine.tier_stats())",
                                  labels=["tier", "stat"])
         for name, stats in tiers.items():
