@@ -283,3 +283,46 @@ def test_announced_requests_start_in_one_prefill_step_and_a_lone_one_is_not_held
     assert_clean(engine)
     with pytest.raises(ValueError, match="gather_s"):
         make_engine(path).start_online(gather_s=-1)
+
+
+def test_a_loop_stepped_on_the_callers_thread_serves_until_stopped_from_another(path):
+    """own_thread=False: requests submitted before run() wait in the queue; run() steps them on the
+    thread that started the loop, and returns once another thread stops the loop."""
+    engine = make_engine(path)
+    alone = make_engine(path, share_weights_with=engine)
+    reqs = [request(100 + i, tokens=3) for i in range(2)]
+    expected = [alone.chat(**vars(r)).token_ids for r in reqs]
+    loop = engine.start_online(own_thread=False)
+    stepped_on = []
+    real = engine.executor.forward
+    engine.executor.forward = lambda s: stepped_on.append(threading.current_thread()) or real(s)
+    assert loop.running and loop.in_loop_thread()
+    early = loop.submit(reqs[0])  # queued: nothing steps yet
+    with pytest.raises(RuntimeError, match="from the online loop's thread"):
+        engine.chat(**vars(reqs[1]))
+    results = []
+
+    def client():
+        results.append(early.result(60).token_ids)
+        results.append(loop.submit(reqs[1]).result(60).token_ids)
+        loop.stop(30)
+
+    other = threading.Thread(target=client)
+    other.start()
+    loop.run()  # returns once the client thread stopped the loop
+    other.join()
+    assert results == expected
+    assert set(stepped_on) == {threading.current_thread()} and not loop.running and loop.error is None
+    with pytest.raises(LoopStopped):
+        loop.submit(reqs[0])
+    with pytest.raises(RuntimeError, match="has run already"):
+        loop.run()
+    threaded = make_engine(path).start_online()
+    try:
+        with pytest.raises(RuntimeError, match="own_thread=False"):
+            threaded.run()
+    finally:
+        threaded.stop()
+    with pytest.raises(TypeError, match="own_thread"):
+        make_engine(path).start_online(own_thread="no")
+    assert_clean(engine)

@@ -434,3 +434,17 @@ def test_a_full_pool_answers_503_and_sigterm_lets_in_flight_requests_finish():
         assert any("samcache serve: stopped after" in line and "nothing in flight" in line for line in small.log), small.log
     finally:
         small.stop()
+
+
+def test_a_port_in_use_ends_the_server_with_an_error_not_a_hang():
+    """uvicorn serves from a thread beside the step loop on the main thread: when it cannot start,
+    the loop stops too and the process exits 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "samcache", "serve", str(trained_model()), "--port", str(port),
+                               "--device", "cpu", "--log-level", "warning"], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 1
+    assert "address already in use" in done.stderr and "stopped after 0 steps" in done.stdout

@@ -809,12 +809,14 @@ class SAMcacheEngine:
             self._warned_uniform = True
 
     # ---- online serving -----------------------------------------------------------------------
-    def start_online(self, *, max_model_len: int | None = None, gather_s: float = 0.1) -> "OnlineLoop":
+    def start_online(self, *, max_model_len: int | None = None, gather_s: float = 0.1, own_thread: bool = True
+                     ) -> "OnlineLoop":
         """Serve from a background step loop (:class:`samcache.engine.online.OnlineLoop`):
         requests submitted from any thread or coroutine join the running batch at the next step
         and stream their tokens; ``chat`` and ``chat_batch`` from other threads go through it too.
         ``max_model_len`` bounds a request's prompt and reply together; ``gather_s``: how long an
-        idle loop holds its first step for requests announced to it (``OnlineLoop.announce``).
+        idle loop holds its first step for requests announced to it (``OnlineLoop.announce``);
+        ``own_thread=False``: the calling thread steps the model, in ``OnlineLoop.run()``.
         Returns the loop (started once; :meth:`OnlineLoop.stop` ends it)."""
         from samcache.engine.online import OnlineLoop
 
@@ -822,7 +824,7 @@ class SAMcacheEngine:
             if self._online is None or not self._online.running:
                 self._online = OnlineLoop(self, request_type=(ChatRequest, PreparedChat), max_model_len=max_model_len,
                                           gather_s=gather_s)
-                self._online.start()
+                self._online.start(own_thread=own_thread)
             return self._online
 
     def _prefetch_admitted(self, admitted: list[Admission]) -> int:

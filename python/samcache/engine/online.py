@@ -96,7 +96,10 @@ class OnlineLoop:
         self.gathered_s = 0.0  # time an idle loop held its first step for announced requests, in all
         self._inbox: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._live: list[_Live] = []
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the thread that steps the model
+        self._own_thread = True  # started one of its own; False: the caller's thread, in run()
+        self._ran = False
+        self._ended = threading.Event()  # the step loop returned
         self._stopping = threading.Event()
         self._accepting = True
         self._gate = threading.Lock()  # submit vs stop: nothing lands in the inbox after the loop's last look
@@ -107,7 +110,7 @@ class OnlineLoop:
     # -- the caller's side ---------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._ended.is_set() and self._thread.is_alive()
 
     @property
     def live(self) -> int:
@@ -117,11 +120,32 @@ class OnlineLoop:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def start(self) -> None:
+    def start(self, *, own_thread: bool = True) -> None:
+        """Start taking requests. ``own_thread``: a background thread steps the model; False: the
+        calling thread will, in :meth:`run` (requests submitted before it runs wait in the queue).
+        A server steps on its main thread this way, the HTTP side in a thread of its own: on the
+        CPU, torch's OpenMP workers serve the model's small ops measurably slower when a second
+        thread drives it while the main thread holds an idle team of its own."""
         if self._thread is not None:
             raise RuntimeError("this OnlineLoop was started already; engine.start_online() makes a new one")
-        self._thread = threading.Thread(target=self._run, name="samcache-step-loop", daemon=True)
-        self._thread.start()
+        if not isinstance(own_thread, bool):
+            raise TypeError(f"own_thread must be a bool, got {own_thread!r}")
+        self._own_thread = own_thread
+        if own_thread:
+            self._thread = threading.Thread(target=self._run, name="samcache-step-loop", daemon=True)
+            self._thread.start()
+        else:
+            self._thread = threading.current_thread()
+
+    def run(self) -> None:
+        """Step the model on this thread until :meth:`stop`, called from another thread, ends the
+        loop: for a loop started with ``own_thread=False``, from the thread that started it."""
+        if self._own_thread or not self.in_loop_thread():
+            raise RuntimeError("run() is for a loop started with own_thread=False, on the thread that started it")
+        if self._ran:
+            raise RuntimeError("this OnlineLoop has run already; engine.start_online() makes a new one")
+        self._ran = True
+        self._run()
 
     def announce(self) -> Arrival:
         """Announce a request on its way (its body still being read, parsed or prepared elsewhere).
@@ -188,17 +212,16 @@ class OnlineLoop:
                                     or not timeout >= 0):
             raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         if self.in_loop_thread():
-            raise RuntimeError("stop() cannot be called from the online loop's thread (a token callback)")
+            raise RuntimeError("stop() cannot be called from the online loop's thread (a token callback, or the "
+                               "thread that runs it)")
         with self._gate:
             self._accepting = False
         self._stopping.set()
-        thread = self._thread
-        if thread is None:
+        if self._thread is None:
             return
-        thread.join(timeout)
-        if thread.is_alive():
+        if not self._ended.wait(timeout):
             self._cancel_all = True  # queued ones too: the loop settles them as cancelled
-            thread.join()
+            self._ended.wait()
 
     # -- the loop's thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -239,8 +262,11 @@ class OnlineLoop:
             if not isinstance(e, Exception):
                 raise
         finally:
-            with engine._lock:
-                engine._after_turns([])
+            try:
+                with engine._lock:
+                    engine._after_turns([])
+            finally:
+                self._ended.set()
 
     def _take(self, wait: bool) -> list[RequestHandle]:
         """What the inbox holds; ``wait`` (the loop is idle): wait for a request first, then for the

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import sys
+import threading
 
 
 def _size(text: str) -> int:
@@ -109,6 +111,8 @@ def startup_line(engine, settings, host: str, port: int, profile_from: str | Non
 
 
 def run(args) -> int:
+    """Serve until SIGINT or SIGTERM. The main thread steps the model (``OnlineLoop.run``); uvicorn
+    serves HTTP from a thread of its own, and its shutdown stops the loop."""
     import uvicorn
 
     try:
@@ -117,8 +121,36 @@ def run(args) -> int:
         print(f"samcache serve: {e}", file=sys.stderr)
         return 2
     print(startup_line(engine, settings, args.host, args.port, args.profile), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=60)
-    return 0
+    # Bound to this thread before uvicorn starts: the app's lifespan finds this loop running.
+    loop = engine.start_online(max_model_len=settings.max_model_len, gather_s=settings.batch_wait_s, own_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=60))
+
+    def serve_http() -> None:
+        try:
+            server.run()  # off the main thread, uvicorn installs no signal handlers: ours are below
+        finally:
+            if loop.running:  # uvicorn never started, or ended without its lifespan's shutdown
+                loop.stop(settings.shutdown_timeout_s)
+
+    def on_signal(signum, frame) -> None:
+        if server.should_exit:  # a second Ctrl-C: do not wait for open connections
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=serve_http, name="samcache-http")
+    http.start()
+    try:
+        loop.run()
+    finally:
+        server.should_exit = True
+        http.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if loop.error is not None:
+        print(f"samcache serve: the step loop failed: {loop.error!r}", file=sys.stderr)
+    return 0 if server.started and loop.error is None else 1
 
 
 __all__ = ["add_arguments", "build", "run", "startup_line"]
