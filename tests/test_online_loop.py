@@ -303,9 +303,11 @@ def test_a_loop_stepped_on_the_callers_thread_serves_until_stopped_from_another(
     results = []
 
     def client():
-        results.append(early.result(60).token_ids)
-        results.append(loop.submit(reqs[1]).result(60).token_ids)
-        loop.stop(30)
+        try:
+            results.append(early.result(60).token_ids)
+            results.append(loop.submit(reqs[1]).result(60).token_ids)
+        finally:
+            loop.stop(30)  # whatever happened: run() below returns
 
     other = threading.Thread(target=client)
     other.start()
@@ -325,4 +327,31 @@ def test_a_loop_stepped_on_the_callers_thread_serves_until_stopped_from_another(
         threaded.stop()
     with pytest.raises(TypeError, match="own_thread"):
         make_engine(path).start_online(own_thread="no")
+    assert_clean(engine)
+
+    # Stopped before it ran: what was queued is refused, and run() returns at once.
+    unrun = make_engine(path).start_online(own_thread=False)
+    queued = unrun.submit(request(102, tokens=2))
+    stopper = threading.Thread(target=unrun.stop)
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive() and not unrun.running
+    with pytest.raises(LoopStopped, match="before it ran"):
+        queued.result(1)
+    unrun.run()
+
+
+def test_stop_wakes_a_loop_holding_its_first_step_for_announced_requests(path):
+    engine = make_engine(path)
+    loop = engine.start_online(gather_s=10)
+    stray = loop.announce()  # never submitted: the loop would hold its first step for 10 s
+    handle = loop.submit(request(110, tokens=2))
+    import time
+
+    time.sleep(0.3)  # the loop took the request and holds its first step
+    start = time.perf_counter()
+    loop.stop(30)  # the held request is finished, not cancelled, without waiting out gather_s
+    assert time.perf_counter() - start < 5
+    assert len(handle.result(1).token_ids) == 2
+    stray.release()
     assert_clean(engine)

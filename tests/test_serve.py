@@ -198,7 +198,7 @@ def test_requests_sent_together_are_prefilled_in_one_step(server):
         def body():  # the headers and a first piece, then the rest once every request's headers are out
             yield bodies[i][:10]
             sent_headers.wait()
-            time.sleep(0.3 + 0.05 * i)  # the server has seen every request's headers; request 0 completes first
+            time.sleep(1.0 + 0.05 * i)  # the server has seen every request's headers; request 0 completes first
             yield bodies[i][10:]
 
         replies[i] = httpx.post(server.url + "/v1/chat/completions", content=body(), headers=headers, timeout=120)
@@ -219,6 +219,33 @@ def test_requests_sent_together_are_prefilled_in_one_step(server):
     assert lone.usage.completion_tokens >= 1
     after = server.metrics()
     assert after["samcache_batch_wait_seconds_total"] - together["samcache_batch_wait_seconds_total"] < 1
+
+
+def test_a_request_without_the_key_is_not_announced_and_holds_nobody_back(server):
+    """A client without the API key that trickles its body is not announced: a keyed request sent
+    meanwhile starts at once instead of waiting for it (--batch-wait-ms 5000)."""
+    trickling = threading.Event()
+
+    def body():
+        yield b'{"model": "'
+        trickling.set()
+        time.sleep(2.0)
+        yield NAME.encode() + b'", "messages": [{"role": "user", "content": "hi"}]}'
+
+    keyless = []
+    intruder = threading.Thread(target=lambda: keyless.append(httpx.post(
+        server.url + "/v1/chat/completions", content=body(), headers={"content-type": "application/json"},
+        timeout=60)))
+    before = server.metrics()
+    intruder.start()
+    assert trickling.wait(30)
+    time.sleep(0.3)  # its headers are at the server
+    reply = server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
+                                                    max_tokens=2, temperature=0)
+    waited = server.metrics()["samcache_batch_wait_seconds_total"] - before["samcache_batch_wait_seconds_total"]
+    intruder.join(60)
+    assert reply.usage.completion_tokens >= 1 and waited < 1.0
+    assert keyless[0].status_code == 401
 
 
 def test_stop_strings_cut_the_reply_where_the_engine_would_have_gone_on(server, engine):

@@ -748,7 +748,7 @@ class SAMcacheEngine:
         if online is not None and online.running:
             if online.in_loop_thread():
                 raise RuntimeError("chat/chat_batch cannot be called from the online loop's thread (a token "
-                                   "callback): submit the request to the loop instead")
+                                   "callback, or the thread that runs it): submit the request to the loop instead")
             return online.serve(requests)  # the running loop's batch: requests join it, nothing waits for a lock
         with self._lock:
             start = time.perf_counter()

@@ -12,8 +12,8 @@ loop (``SAMcacheEngine._serve`` routes them here) instead of waiting for it to d
 Requests sent together should share one prefill step, as ``chat_batch`` gives them: a server
 :meth:`announces <OnlineLoop.announce>` each request as it arrives, before its body is parsed and
 its images decoded, and an idle loop that takes a request holds its first step until the announced
-ones are submitted too (at most ``gather_s``). A lone request is never held: nothing else is
-announced.
+ones are submitted too (at most ``gather_s``). A request is held only while others are on their
+way: alone, it starts at once.
 
 Outputs equal serving each request alone: a request's rows in a step are computed as they would be
 alone (the step loop's invariant), whoever shares the step.
@@ -143,9 +143,12 @@ class OnlineLoop:
         loop: for a loop started with ``own_thread=False``, from the thread that started it."""
         if self._own_thread or not self.in_loop_thread():
             raise RuntimeError("run() is for a loop started with own_thread=False, on the thread that started it")
-        if self._ran:
-            raise RuntimeError("this OnlineLoop has run already; engine.start_online() makes a new one")
-        self._ran = True
+        with self._gate:
+            if self._ran:
+                raise RuntimeError("this OnlineLoop has run already; engine.start_online() makes a new one")
+            if self._ended.is_set():  # stopped before it ran
+                return
+            self._ran = True
         self._run()
 
     def announce(self) -> Arrival:
@@ -210,8 +213,9 @@ class OnlineLoop:
         return results
 
     def stop(self, timeout: float | None = None) -> None:
-        """Take no new requests, finish the ones in flight, flush the tiers, end the thread. Past
-        ``timeout`` seconds the rest are cancelled (their callers get :class:`RequestCancelled`)."""
+        """Take no new requests, finish the ones in flight, flush the tiers, end the loop (its
+        thread, or :meth:`run`). Past ``timeout`` seconds the rest are cancelled (their callers get
+        :class:`RequestCancelled`)."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout >= 0):
             raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
@@ -220,7 +224,16 @@ class OnlineLoop:
                                "thread that runs it)")
         with self._gate:
             self._accepting = False
+            never_ran = self._thread is not None and not self._own_thread and not self._ran
+            if never_ran:  # run() will not step it now: what was queued is refused
+                self._ended.set()
         self._stopping.set()
+        with self._announcing:  # a loop holding its first step for announced requests looks again
+            self._announcing.notify_all()
+        if never_ran:
+            for handle in self._drain():
+                self._settle(handle, LoopStopped("samcache's online loop was stopped before it ran"))
+            return
         if self._thread is None:
             return
         if not self._ended.wait(timeout):

@@ -62,16 +62,23 @@ class AnnounceChats:
     headers arrive (:meth:`OnlineLoop.announce`), before its body is read, parsed and its images
     decoded, so that an idle loop starts requests sent together in one prefill step. The endpoint
     releases the announcement once it submits the request; the response's end releases it
-    whatever happened (a refused or failed request)."""
+    whatever happened (a refused or failed request). With an API key, only a request that carries
+    it is announced: a client without one cannot hold the loop back by trickling its body."""
 
-    def __init__(self, app, state: dict) -> None:
+    def __init__(self, app, state: dict, api_key: str | None = None) -> None:
         self.app = app
         self.state = state
+        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def authorized(self, scope) -> bool:
+        return self.authorization is None or any(
+            name == b"authorization" and value == self.authorization for name, value in scope.get("headers", ()))
 
     async def __call__(self, scope, receive, send) -> None:
         loop = self.state.get("loop")
         if (loop is None or scope["type"] != "http" or scope["method"] != "POST"
-                or scope["path"] != "/v1/chat/completions"):
+                or scope["path"] != "/v1/chat/completions"
+                or not self.authorized(scope)):
             await self.app(scope, receive, send)
             return
         arrival = loop.announce()
@@ -125,7 +132,7 @@ def create_app(engine, settings: ServeSettings) -> FastAPI:
               + "; nothing in flight, the tiers flushed", flush=True)
 
     app = FastAPI(title="samcache", lifespan=lifespan)
-    app.add_middleware(AnnounceChats, state=state)
+    app.add_middleware(AnnounceChats, state=state, api_key=settings.api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):

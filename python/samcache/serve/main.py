@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-wait-ms", type=float, default=100.0,
                    help="how long an idle server holds its first step for requests that have arrived but are still "
                         "being read or parsed, so requests sent together are prefilled in one step (default 100; "
-                        "0: never; a lone request is never held)")
+                        "0: never; a request is held only while others are arriving)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -121,36 +121,49 @@ def run(args) -> int:
         print(f"samcache serve: {e}", file=sys.stderr)
         return 2
     print(startup_line(engine, settings, args.host, args.port, args.profile), flush=True)
-    # Bound to this thread before uvicorn starts: the app's lifespan finds this loop running.
-    loop = engine.start_online(max_model_len=settings.max_model_len, gather_s=settings.batch_wait_s, own_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=60))
-
-    def serve_http() -> None:
-        try:
-            server.run()  # off the main thread, uvicorn installs no signal handlers: ours are below
-        finally:
-            if loop.running:  # uvicorn never started, or ended without its lifespan's shutdown
-                loop.stop(settings.shutdown_timeout_s)
+    signals = {"count": 0}
+    http_error: list[BaseException] = []
 
     def on_signal(signum, frame) -> None:
-        if server.should_exit:  # a second Ctrl-C: do not wait for open connections
-            server.force_exit = True
-        server.should_exit = True
+        server.should_exit = True  # uvicorn stops accepting, lets open requests finish, then its lifespan stops the loop
+        if signum == signal.SIGINT:
+            signals["count"] += 1
+            if signals["count"] == 2:  # a second Ctrl-C: do not wait for open connections
+                server.force_exit = True
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # a third interrupts the step itself
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http = threading.Thread(target=serve_http, name="samcache-http")
-    http.start()
     try:
-        loop.run()
+        # Bound to this thread before uvicorn starts: the app's lifespan finds this loop running.
+        loop = engine.start_online(max_model_len=settings.max_model_len, gather_s=settings.batch_wait_s,
+                                   own_thread=False)
+
+        def serve_http() -> None:
+            try:
+                server.run()  # off the main thread, uvicorn installs no signal handlers: ours are above
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread (SystemExit: no start)
+                http_error.append(e)
+                if not isinstance(e, SystemExit):
+                    raise
+            finally:
+                if loop.running:  # uvicorn never started, or ended without its lifespan's shutdown
+                    loop.stop(settings.shutdown_timeout_s)
+
+        http = threading.Thread(target=serve_http, name="samcache-http")
+        http.start()
+        try:
+            loop.run()
+        finally:
+            server.should_exit = True
+            http.join()
     finally:
-        server.should_exit = True
-        http.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if loop.error is not None:
         print(f"samcache serve: the step loop failed: {loop.error!r}", file=sys.stderr)
-    return 0 if server.started and loop.error is None else 1
+    return 0 if server.started and loop.error is None and not http_error else 1
 
 
 __all__ = ["add_arguments", "build", "run", "startup_line"]
