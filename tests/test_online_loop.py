@@ -278,6 +278,8 @@ def test_announced_requests_start_in_one_prefill_step_and_a_lone_one_is_not_held
         stray.release()
         stray.release()  # once only
         assert loop._announced == 0
+        with pytest.raises(TypeError, match="arrival must be an Arrival"):
+            loop.submit(request(92), arrival="soon")
     finally:
         loop.stop()
     assert_clean(engine)

@@ -177,6 +177,8 @@ class OnlineLoop:
         return ends the request there (finish reason "stop"). ``fill``: decode until the prompt and
         reply reach ``max_model_len`` (or an end token). ``arrival``: this request's announcement,
         released once it is queued (or refused)."""
+        if arrival is not None and not isinstance(arrival, Arrival):
+            raise TypeError(f"arrival must be an Arrival (from announce()) or None, got {type(arrival).__name__}")
         try:
             return self._submit(request, on_token, fill)
         finally:
