@@ -29,8 +29,6 @@ try:
 except ImportError:  # Pillow decodes every image
     pyspng = None
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
 
 class DecodedImages:
     """Decoded data-URL images by the URL's content (xxh3-128), least recently used dropped past
@@ -125,7 +123,8 @@ def _decode(data: bytes, max_pixels: int) -> np.ndarray:
             w, h = im.size
             if w * h > max_pixels:  # checked before the pixels are decoded: no decompression bomb
                 raise ApiError(413, f"the image is {w}x{h} pixels, more than the server's limit of {max_pixels}")
-            if pyspng is not None and _rgb8_png(data):
+            # An 8-bit RGB PNG (IHDR, which Pillow has just read: bit depth at byte 24, colour type at 25).
+            if pyspng is not None and im.format == "PNG" and data[24] == 8 and data[25] == 2:
                 pixels = pyspng.load(data, format="RGB")
             else:
                 pixels = np.asarray(im.convert("RGB"))  # a fresh array the server owns
@@ -136,10 +135,6 @@ def _decode(data: bytes, max_pixels: int) -> np.ndarray:
     except (OSError, ValueError, RuntimeError, Image.DecompressionBombError) as e:  # RuntimeError: pyspng's
         raise ApiError(400, f"the image cannot be decoded: {e}") from None
 
-
-def _rgb8_png(data: bytes) -> bool:
-    """A PNG whose header (IHDR, always the first chunk) says 8 bits per sample, colour type 2 (RGB)."""
-    return len(data) > 26 and data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR" and data[24] == 8 and data[25] == 2
 
 
 __all__ = ["DecodedImages", "load_image"]

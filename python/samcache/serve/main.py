@@ -123,14 +123,15 @@ def run(args) -> int:
     print(startup_line(engine, settings, args.host, args.port, args.profile), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=60))
-    signals = {"count": 0}
+    interrupts = 0
     http_error: list[BaseException] = []
 
     def on_signal(signum, frame) -> None:
+        nonlocal interrupts
         server.should_exit = True  # uvicorn stops accepting, lets open requests finish, then its lifespan stops the loop
         if signum == signal.SIGINT:
-            signals["count"] += 1
-            if signals["count"] == 2:  # a second Ctrl-C: do not wait for open connections
+            interrupts += 1
+            if interrupts == 2:  # a second Ctrl-C: do not wait for open connections
                 server.force_exit = True
                 signal.signal(signal.SIGINT, signal.default_int_handler)  # a third interrupts the step itself
 
